@@ -1,0 +1,10 @@
+"""Replay buffers for reinforcement learning in JAX, as immutable Equinox modules."""
+
+import importlib.metadata
+
+from ._abstract import AbstractReplay as AbstractReplay
+from ._storage import CircularBuffer as CircularBuffer
+from ._uniform import UniformReplay as UniformReplay
+
+
+__version__ = importlib.metadata.version("dejax_eqx")

@@ -1,0 +1,91 @@
+import abc
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import equinox as eqx
+from jaxtyping import Array, ArrayLike, Int, PRNGKeyArray, PyTree
+
+
+_R = TypeVar("_R", bound="AbstractReplay")
+
+
+class AbstractReplay(eqx.Module):
+    """The surface every replay buffer shares.
+
+    A replay stores items (pytrees of arrays with the prototype's structure, shapes and dtypes)
+    up to a fixed capacity and samples batches of them. It is an immutable `eqx.Module`: every
+    method returns a new replay, and under `eqx.filter_jit(donate="all")` that copy is an
+    in-place update.
+
+    Concrete replays (`UniformReplay`, ...) are final: they are not meant to be subclassed.
+    New behaviour comes by composition (`ClusteredReplay` wraps any `AbstractReplay`).
+    """
+
+    @property
+    @abc.abstractmethod
+    def max_size(self) -> int:
+        """The capacity: the most items the replay holds (a static Python int)."""
+
+    @property
+    @abc.abstractmethod
+    def size(self) -> Int[Array, ""]:
+        """The number of stored items, an int32 scalar array in `[0, max_size]`."""
+
+    @abc.abstractmethod
+    def add(self: _R, item: PyTree[ArrayLike]) -> _R:
+        """Store one item; when full, the oldest item is overwritten.
+
+        **Arguments:**
+
+        - `item`: a pytree with the prototype's structure, shapes and dtypes. Python scalars are
+            converted to the stored dtype; arrays must have it already.
+
+        **Returns:** the new replay.
+
+        **Raises:** `ValueError`/`TypeError` at trace time if `item` does not match the prototype.
+        """
+
+    @abc.abstractmethod
+    def add_batch(self: _R, items: PyTree[ArrayLike]) -> _R:
+        """Store `n` items at once; the same as `n` calls to `add`, in order.
+
+        **Arguments:**
+
+        - `items`: a pytree with the prototype's structure whose leaves have one extra leading
+            axis of the same length `n`.
+
+        **Returns:** the new replay.
+        """
+
+    @abc.abstractmethod
+    def sample(self, key: PRNGKeyArray, batch_size: int) -> Any:
+        """Draw `batch_size` stored items at random, with replacement.
+
+        **Arguments:**
+
+        - `key`: a JAX PRNG key. It is used, never stored.
+        - `batch_size`: a positive Python int (static: each value compiles once).
+
+        **Returns:** the sampled items, each leaf with a leading `batch_size` axis (replays
+        that return more than items document their own result type).
+
+        **Raises:** an `eqx.error_if` error if the replay is empty.
+        """
+
+    @abc.abstractmethod
+    def update(self: _R, fn: Callable[[PyTree[Array]], PyTree[Array]]) -> _R:
+        """Apply `fn(item) -> item` to every stored item.
+
+        `fn` is vectorised over the stored items and must keep each item's structure, shapes
+        and dtypes (checked at trace time).
+        """
+
+    def add_and_sample(
+        self: _R, items: PyTree[ArrayLike], key: PRNGKeyArray, batch_size: int
+    ) -> tuple[_R, Any]:
+        """`add_batch(items)`, then `sample(key, batch_size)` from the result, in one call.
+
+        **Returns:** `(replay, batch)`.
+        """
+        replay = self.add_batch(items)
+        return replay, replay.sample(key, batch_size)

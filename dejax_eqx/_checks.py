@@ -1,0 +1,180 @@
+"""Validation shared by every buffer.
+
+Static facts (pytree structure, shapes, dtypes, constructor arguments) are checked here in
+Python, so they fail at trace time with a message naming the offending leaf. Facts that depend on
+data (an empty buffer, an index out of range) go through `eqx.error_if`, so they are reported
+eagerly and under `jit` alike.
+"""
+
+import numbers
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.tree_util import keystr, tree_flatten_with_path
+from jaxtyping import Array, ArrayLike, PyTree
+
+
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+def leaf_paths(tree: PyTree) -> list[str]:
+    """The `keystr` path of every leaf of `tree`, in flattening order."""
+    return [keystr(path) for path, _ in tree_flatten_with_path(tree)[0]]
+
+
+def check_positive_int(value: Any, call: str, *, maximum: int = _INT32_MAX) -> int:
+    """`value` as an `int` in `[1, maximum]`, else a `ValueError`/`TypeError` quoting `call`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"`{call}` must be a Python int, got {value!r} of type {type(value).__name__}.")
+    value = int(value)
+    if value < 1:
+        raise ValueError(f"`{call}` must be positive, got {value}.")
+    if value > maximum:
+        raise ValueError(f"`{call}` must be at most {maximum}, got {value}.")
+    return value
+
+
+def as_prototype(prototype: PyTree[ArrayLike], call: str) -> PyTree[jax.ShapeDtypeStruct]:
+    """Validate a user's prototype item and return its shape/dtype spec.
+
+    Every leaf must be array-like (a JAX or NumPy array, a NumPy scalar or a Python
+    bool/int/float) or a `jax.ShapeDtypeStruct`. Python scalars take JAX's default dtype for
+    their kind.
+    """
+    flat, treedef = tree_flatten_with_path(prototype)
+    if not flat:
+        raise ValueError(f"`{call}`: the prototype has no array leaves; a buffer needs at least one.")
+    specs = []
+    for path, leaf in flat:
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            specs.append(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
+            continue
+        if not isinstance(leaf, jax.Array | np.ndarray | np.generic | bool | int | float | complex):
+            raise TypeError(
+                f"`{call}`: prototype leaf `{keystr(path)}` is a {type(leaf).__name__}, "
+                "not an array; every leaf of the prototype must be array-like or a jax.ShapeDtypeStruct."
+            )
+        leaf = jnp.asarray(leaf)
+        specs.append(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
+    return jax.tree.unflatten(treedef, specs)
+
+
+def _structure_message(call: str, what: str, expected: PyTree, actual: PyTree) -> str:
+    expected_paths = leaf_paths(expected)
+    actual_paths = leaf_paths(actual)
+    missing = [p for p in expected_paths if p not in actual_paths]
+    extra = [p for p in actual_paths if p not in expected_paths]
+    detail = []
+    if missing:
+        detail.append(f"missing leaves {missing}")
+    if extra:
+        detail.append(f"unexpected leaves {extra}")
+    if not detail:
+        detail.append("the same leaf paths but different container types")
+    return (
+        f"`{call}`: the {what} does not have the prototype's structure ({'; '.join(detail)}).\n"
+        f"  expected: {jax.tree.structure(expected)}\n"
+        f"  got:      {jax.tree.structure(actual)}"
+    )
+
+
+def check_items(
+    spec: PyTree[jax.ShapeDtypeStruct],
+    items: PyTree[ArrayLike],
+    call: str,
+    *,
+    batched: bool,
+    what: str | None = None,
+) -> tuple[PyTree[Array], int | None]:
+    """Check `items` against `spec` and convert its leaves to JAX arrays.
+
+    With `batched=False`, `items` is one item: each leaf has exactly its spec's shape and dtype.
+    With `batched=True`, each leaf has one extra leading axis, of the same length `n` for all
+    leaves; `n` is returned (else `None`).
+
+    Arrays must already have the stored dtype: nothing is silently cast. Python scalars (which
+    have no dtype of their own) are converted to the stored dtype.
+
+    Raises `ValueError` for a structure or shape mismatch and `TypeError` for a dtype mismatch,
+    naming the leaf path, the expected and the actual value.
+    """
+    if what is None:
+        what = "batch of items" if batched else "item"
+    expected_def = jax.tree.structure(spec)
+    if jax.tree.structure(items) != expected_def:
+        raise ValueError(_structure_message(call, what, spec, items))
+    flat_items = tree_flatten_with_path(items)[0]
+    flat_spec = jax.tree.leaves(spec)
+    out = []
+    n = None
+    first_path = None
+    for (path, leaf), want in zip(flat_items, flat_spec):
+        name = keystr(path)
+        if isinstance(leaf, bool | int | float | complex) and not batched:
+            try:
+                leaf = jnp.asarray(leaf, dtype=want.dtype)
+            except OverflowError as e:
+                raise ValueError(
+                    f"`{call}`: {what} leaf `{name}` is the Python scalar {leaf!r}, which does "
+                    f"not fit the stored dtype {want.dtype}."
+                ) from e
+        elif not isinstance(leaf, jax.Array | np.ndarray | np.generic):
+            raise TypeError(
+                f"`{call}`: {what} leaf `{name}` is a {type(leaf).__name__}, not an array."
+            )
+        shape = tuple(np.shape(leaf))
+        dtype = leaf.dtype
+        if batched:
+            if shape[1:] != want.shape or len(shape) == 0:
+                raise ValueError(
+                    f"`{call}`: {what} leaf `{name}` has shape {shape}; expected "
+                    f"(n, *{want.shape}): a leading batch axis followed by the prototype's "
+                    f"shape {want.shape}."
+                )
+            if n is None:
+                n, first_path = shape[0], name
+            elif shape[0] != n:
+                raise ValueError(
+                    f"`{call}`: the leaves of the {what} disagree on the leading batch axis: "
+                    f"`{first_path}` has {n} entries but `{name}` has {shape[0]}."
+                )
+        elif shape != want.shape:
+            raise ValueError(
+                f"`{call}`: {what} leaf `{name}` has shape {shape}, expected {want.shape} "
+                "(the prototype's shape)."
+            )
+        if dtype != want.dtype:
+            raise TypeError(
+                f"`{call}`: {what} leaf `{name}` has dtype {dtype}, expected {want.dtype}. "
+                "Buffers keep the prototype's dtypes exactly; cast with `.astype` first."
+            )
+        out.append(jnp.asarray(leaf))
+    return jax.tree.unflatten(expected_def, out), n
+
+
+def check_fn_output(
+    spec: PyTree[jax.ShapeDtypeStruct], fn: Callable[[PyTree[Array]], PyTree], call: str
+) -> None:
+    """Check, without running it, that `fn(item) -> item` keeps the item's structure, shapes and dtypes."""
+    out = jax.eval_shape(fn, spec)
+    if jax.tree.structure(out) != jax.tree.structure(spec):
+        raise ValueError(_structure_message(call, "output of `fn`", spec, out))
+    for name, got, want in zip(leaf_paths(spec), jax.tree.leaves(out), jax.tree.leaves(spec)):
+        if got.shape != want.shape:
+            raise ValueError(
+                f"`{call}`: `fn` returned shape {got.shape} at leaf `{name}`, expected "
+                f"{want.shape}; `fn` must map one item to one item of the same shapes."
+            )
+        if got.dtype != want.dtype:
+            raise TypeError(
+                f"`{call}`: `fn` returned dtype {got.dtype} at leaf `{name}`, expected "
+                f"{want.dtype}; cast inside `fn` to keep the stored dtypes."
+            )
+
+
+def spec_of(data: PyTree[Array], axes: int = 1) -> PyTree[jax.ShapeDtypeStruct]:
+    """The per-item spec of stored `data`: each leaf's shape without its first `axes` axes."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[axes:], x.dtype), data)

@@ -1,0 +1,227 @@
+from collections.abc import Callable
+from typing import TypeVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, ArrayLike, Bool, Int, PyTree, Shaped
+
+from ._checks import as_prototype, check_fn_output, check_items, check_positive_int, spec_of
+
+
+_CB = TypeVar("_CB", bound="CircularBuffer")
+
+
+# Ring arithmetic. Every index lives in [0, m) and every count in [0, m], so the helpers below
+# never form a value above m (or below -m): with m < 2**31 nothing overflows int32, however many
+# items pass through the buffer. See `dejax_eqx/README.md` for the invariants.
+
+
+def ring_add(a: Int[ArrayLike, "*s"], b: Int[ArrayLike, "*s"], m: int) -> Int[Array, "*s"]:
+    """`(a + b) % m` for `0 <= a < m` and `0 <= b <= m`, without forming `a + b`."""
+    a = jnp.asarray(a)
+    b = jnp.asarray(b)
+    room = m - a  # in (0, m]
+    return jnp.where(b >= room, b - room, a + b)
+
+
+def ring_sub(a: Int[ArrayLike, "*s"], b: Int[ArrayLike, "*s"], m: int) -> Int[Array, "*s"]:
+    """`(a - b) % m` for `0 <= a < m` and `0 <= b <= m`."""
+    a = jnp.asarray(a)
+    b = jnp.asarray(b)
+    return jnp.where(a >= b, a - b, a + (m - b))
+
+
+class CircularBuffer(eqx.Module):
+    """A fixed-capacity ring of items: the storage under every replay.
+
+    Holds `max_size` slots of one pytree of arrays (each leaf gains a leading `max_size` axis).
+    Pushing into a full buffer overwrites the oldest item. Items are addressed logically:
+    `get(0)` is the oldest stored item, `get(size - 1)` the newest.
+
+    All methods are pure and return a new buffer; under `eqx.filter_jit(donate="all")` the
+    update happens in place.
+
+    !!! Example
+
+        ```python
+        import jax.numpy as jnp
+        import dejax_eqx as dx
+
+        cb = dx.CircularBuffer({"x": jnp.zeros(2)}, max_size=3)
+        cb = cb.push_batch({"x": jnp.arange(8.0).reshape(4, 2)})  # 4 pushes into 3 slots
+        item, cb = cb.pop()
+        assert item["x"].tolist() == [2.0, 3.0]  # the first push was overwritten
+        assert int(cb.size) == 2
+        ```
+    """
+
+    data: PyTree[Shaped[Array, "max_size ..."]]
+    head: Int[Array, ""]
+    count: Int[Array, ""]
+    max_size: int = eqx.field(static=True)
+
+    def __init__(self, prototype: PyTree[ArrayLike], max_size: int):
+        """**Arguments:**
+
+        - `prototype`: one item, a pytree of arrays (or Python scalars). Only its structure,
+            shapes and dtypes are used; stored items must match them exactly.
+        - `max_size`: the number of slots, a positive Python int below `2**31`.
+        """
+        self.max_size = check_positive_int(max_size, "CircularBuffer(max_size=...)")
+        spec = as_prototype(prototype, "CircularBuffer(prototype=...)")
+        self.data = jax.tree.map(lambda s: jnp.zeros((self.max_size, *s.shape), s.dtype), spec)
+        # Write position in [0, max_size) and number of stored items in [0, max_size].
+        self.head = jnp.asarray(0, jnp.int32)
+        self.count = jnp.asarray(0, jnp.int32)
+
+    @property
+    def size(self) -> Int[Array, ""]:
+        """The number of stored items, in `[0, max_size]`."""
+        return self.count
+
+    @property
+    def is_empty(self) -> Bool[Array, ""]:
+        """Whether no item is stored."""
+        return self.count == 0
+
+    @property
+    def is_full(self) -> Bool[Array, ""]:
+        """Whether `max_size` items are stored (the next push overwrites the oldest)."""
+        return self.count == self.max_size
+
+    @property
+    def item_spec(self) -> PyTree[jax.ShapeDtypeStruct]:
+        """The structure, shape and dtype of one item, as `jax.ShapeDtypeStruct` leaves."""
+        return spec_of(self.data)
+
+    def push(self: _CB, item: PyTree[ArrayLike]) -> _CB:
+        """Store one item, overwriting the oldest if the buffer is full.
+
+        **Arguments:**
+
+        - `item`: a pytree with the prototype's structure, shapes and dtypes.
+
+        **Returns:** the new buffer.
+        """
+        return self._push(item, "CircularBuffer.push")
+
+    def push_batch(self: _CB, items: PyTree[ArrayLike]) -> _CB:
+        """Store `n` items at once; the same as `n` calls to `push`, in order.
+
+        One vectorised write. When `n > max_size` only the last `max_size` items remain, as
+        after `n` pushes.
+
+        **Arguments:**
+
+        - `items`: a pytree with the prototype's structure whose leaves have one extra leading
+            axis of length `n` (the same `n` for every leaf; `n = 0` is allowed).
+
+        **Returns:** the new buffer.
+        """
+        return self._push_batch(items, "CircularBuffer.push_batch")
+
+    def pop(self: _CB) -> tuple[PyTree[Array], _CB]:
+        """Remove and return the oldest item.
+
+        **Returns:** `(item, buffer)`.
+
+        **Raises:** an `eqx.error_if` error (`EquinoxRuntimeError`) if the buffer is empty.
+        """
+        count = eqx.error_if(self.count, self.count == 0, "cannot pop from an empty CircularBuffer")
+        slot = self._oldest_slot(count)
+        item = jax.tree.map(lambda x: x[slot], self.data)
+        return item, eqx.tree_at(lambda b: b.count, self, count - 1)
+
+    def get(self, index: Int[ArrayLike, ""]) -> PyTree[Array]:
+        """The `index`-th oldest stored item: `get(0)` is the oldest, `get(size - 1)` the newest.
+
+        **Raises:** an `eqx.error_if` error unless `0 <= index < size`.
+        """
+        index = jnp.asarray(index)
+        if index.shape != () or not jnp.issubdtype(index.dtype, jnp.integer):
+            raise TypeError(
+                "`CircularBuffer.get(index)` takes one integer scalar, got "
+                f"{index.dtype}{list(index.shape)}."
+            )
+        index = index.astype(jnp.int32)
+        index = eqx.error_if(
+            index,
+            (index < 0) | (index >= self.count),
+            "`CircularBuffer.get(index)`: index out of range; it must satisfy 0 <= index < size",
+        )
+        return self._gather(index)
+
+    def update(self: _CB, fn: Callable[[PyTree[Array]], PyTree[Array]]) -> _CB:
+        """Apply `fn` to every stored item.
+
+        `fn(item) -> item` is traced once and vectorised over the slots; it must return an item
+        of the same structure, shapes and dtypes (checked at trace time). Empty slots are left
+        untouched.
+        """
+        return self._update(fn, "CircularBuffer.update")
+
+    # The methods below are the storage interface the replays are built on. `call` names the
+    # public method for error messages. Index helpers assume valid arguments and do no checks.
+
+    def _update(self: _CB, fn: Callable[[PyTree[Array]], PyTree[Array]], call: str) -> _CB:
+        check_fn_output(self.item_spec, fn, call)
+        new = jax.vmap(fn)(self.data)
+        stored = self._stored_mask()
+        data = jax.tree.map(
+            lambda n, o: jnp.where(stored.reshape((-1,) + (1,) * (o.ndim - 1)), n, o),
+            new,
+            self.data,
+        )
+        return eqx.tree_at(lambda b: b.data, self, data)
+
+    def _oldest_slot(self, count: Int[ArrayLike, ""] | None = None) -> Int[Array, ""]:
+        """The slot of the oldest stored item (meaningless when empty)."""
+        return ring_sub(self.head, self.count if count is None else count, self.max_size)
+
+    def _slots(self, index: Int[ArrayLike, "*s"]) -> Int[Array, "*s"]:
+        """The slots of the `index`-th oldest items, for `0 <= index < size`."""
+        return ring_add(self._oldest_slot(), index, self.max_size)
+
+    def _gather(self, index: Int[ArrayLike, "*s"]) -> PyTree[Array]:
+        """The items at logical positions `index` (any shape), unchecked."""
+        slots = self._slots(index)
+        return jax.tree.map(lambda x: jnp.take(x, slots, axis=0, mode="clip"), self.data)
+
+    def _stored_mask(self) -> Bool[Array, " max_size"]:
+        """For each slot, whether it holds a stored item."""
+        slot = jnp.arange(self.max_size, dtype=jnp.int32)
+        return ring_sub(slot, self._oldest_slot(), self.max_size) < self.count
+
+    def _write_slots(self, n: int) -> Int[Array, " k"]:
+        """The slots the next `n` pushes would write to and keep: the last `min(n, max_size)`."""
+        m = self.max_size
+        k = min(n, m)
+        # Offsets (from head) of the pushes that survive, reduced mod m in Python (static).
+        offsets = jnp.asarray(np.arange(n - k, n) % m, dtype=jnp.int32)
+        return ring_add(self.head, offsets, m)
+
+    def _push(self: _CB, item: PyTree[ArrayLike], call: str) -> _CB:
+        item, _ = check_items(self.item_spec, item, call, batched=False)
+        data = jax.tree.map(lambda x, y: x.at[self.head].set(y), self.data, item)
+        head = ring_add(self.head, 1, self.max_size)
+        count = jnp.minimum(self.count + 1, self.max_size)
+        return eqx.tree_at(lambda b: (b.data, b.head, b.count), self, (data, head, count))
+
+    def _push_batch(self: _CB, items: PyTree[ArrayLike], call: str) -> _CB:
+        items, n = check_items(self.item_spec, items, call, batched=True)
+        assert n is not None
+        if n == 0:
+            return self
+        m = self.max_size
+        k = min(n, m)
+        slots = self._write_slots(n)
+        data = jax.tree.map(
+            lambda x, y: x.at[slots].set(y[n - k :], unique_indices=True, mode="promise_in_bounds"),
+            self.data,
+            items,
+        )
+        head = ring_add(self.head, n % m, m)
+        count = jnp.minimum(self.count, m - k) + k
+        return eqx.tree_at(lambda b: (b.data, b.head, b.count), self, (data, head, count))
