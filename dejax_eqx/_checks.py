@@ -19,6 +19,9 @@ from jaxtyping import Array, ArrayLike, PyTree
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
+# What a constructor accepts as a prototype item: array-likes, or shape/dtype structs.
+Prototype = PyTree[ArrayLike | jax.ShapeDtypeStruct]
+
 
 def leaf_paths(tree: PyTree) -> list[str]:
     """The `keystr` path of every leaf of `tree`, in flattening order."""
@@ -28,7 +31,9 @@ def leaf_paths(tree: PyTree) -> list[str]:
 def check_positive_int(value: Any, call: str, *, maximum: int = _INT32_MAX) -> int:
     """`value` as an `int` in `[1, maximum]`, else a `ValueError`/`TypeError` quoting `call`."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"`{call}` must be a Python int, got {value!r} of type {type(value).__name__}.")
+        raise TypeError(
+            f"`{call}` must be a Python int, got {value!r} of type {type(value).__name__}."
+        )
     value = int(value)
     if value < 1:
         raise ValueError(f"`{call}` must be positive, got {value}.")
@@ -37,7 +42,7 @@ def check_positive_int(value: Any, call: str, *, maximum: int = _INT32_MAX) -> i
     return value
 
 
-def as_prototype(prototype: PyTree[ArrayLike], call: str) -> PyTree[jax.ShapeDtypeStruct]:
+def as_prototype(prototype: Prototype, call: str) -> PyTree[jax.ShapeDtypeStruct]:
     """Validate a user's prototype item and return its shape/dtype spec.
 
     Every leaf must be array-like (a JAX or NumPy array, a NumPy scalar or a Python
@@ -46,7 +51,9 @@ def as_prototype(prototype: PyTree[ArrayLike], call: str) -> PyTree[jax.ShapeDty
     """
     flat, treedef = tree_flatten_with_path(prototype)
     if not flat:
-        raise ValueError(f"`{call}`: the prototype has no array leaves; a buffer needs at least one.")
+        raise ValueError(
+            f"`{call}`: the prototype has no array leaves; a buffer needs at least one."
+        )
     specs = []
     for path, leaf in flat:
         if isinstance(leaf, jax.ShapeDtypeStruct):
@@ -55,7 +62,8 @@ def as_prototype(prototype: PyTree[ArrayLike], call: str) -> PyTree[jax.ShapeDty
         if not isinstance(leaf, jax.Array | np.ndarray | np.generic | bool | int | float | complex):
             raise TypeError(
                 f"`{call}`: prototype leaf `{keystr(path)}` is a {type(leaf).__name__}, "
-                "not an array; every leaf of the prototype must be array-like or a jax.ShapeDtypeStruct."
+                "not an array; every leaf of the prototype must be array-like or a "
+                "jax.ShapeDtypeStruct."
             )
         leaf = jnp.asarray(leaf)
         specs.append(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
@@ -158,7 +166,7 @@ def check_items(
 def check_fn_output(
     spec: PyTree[jax.ShapeDtypeStruct], fn: Callable[[PyTree[Array]], PyTree], call: str
 ) -> None:
-    """Check, without running it, that `fn(item) -> item` keeps the item's structure, shapes and dtypes."""
+    """Check without running it that `fn(item) -> item` keeps structure, shapes and dtypes."""
     out = jax.eval_shape(fn, spec)
     if jax.tree.structure(out) != jax.tree.structure(spec):
         raise ValueError(_structure_message(call, "output of `fn`", spec, out))

@@ -7,7 +7,14 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Int, PyTree, Shaped
 
-from ._checks import as_prototype, check_fn_output, check_items, check_positive_int, spec_of
+from ._checks import (
+    as_prototype,
+    check_fn_output,
+    check_items,
+    check_positive_int,
+    Prototype,
+    spec_of,
+)
 
 
 _CB = TypeVar("_CB", bound="CircularBuffer")
@@ -18,7 +25,7 @@ _CB = TypeVar("_CB", bound="CircularBuffer")
 # items pass through the buffer. See `dejax_eqx/README.md` for the invariants.
 
 
-def ring_add(a: Int[ArrayLike, "*s"], b: Int[ArrayLike, "*s"], m: int) -> Int[Array, "*s"]:
+def ring_add(a: Int[ArrayLike, "*#s"], b: Int[ArrayLike, "*#s"], m: int) -> Int[Array, "*#s"]:
     """`(a + b) % m` for `0 <= a < m` and `0 <= b <= m`, without forming `a + b`."""
     a = jnp.asarray(a)
     b = jnp.asarray(b)
@@ -26,7 +33,7 @@ def ring_add(a: Int[ArrayLike, "*s"], b: Int[ArrayLike, "*s"], m: int) -> Int[Ar
     return jnp.where(b >= room, b - room, a + b)
 
 
-def ring_sub(a: Int[ArrayLike, "*s"], b: Int[ArrayLike, "*s"], m: int) -> Int[Array, "*s"]:
+def ring_sub(a: Int[ArrayLike, "*#s"], b: Int[ArrayLike, "*#s"], m: int) -> Int[Array, "*#s"]:
     """`(a - b) % m` for `0 <= a < m` and `0 <= b <= m`."""
     a = jnp.asarray(a)
     b = jnp.asarray(b)
@@ -62,7 +69,7 @@ class CircularBuffer(eqx.Module):
     count: Int[Array, ""]
     max_size: int = eqx.field(static=True)
 
-    def __init__(self, prototype: PyTree[ArrayLike], max_size: int):
+    def __init__(self, prototype: Prototype, max_size: int):
         """**Arguments:**
 
         - `prototype`: one item, a pytree of arrays (or Python scalars). Only its structure,
@@ -129,9 +136,12 @@ class CircularBuffer(eqx.Module):
 
         **Raises:** an `eqx.error_if` error (`EquinoxRuntimeError`) if the buffer is empty.
         """
-        count = eqx.error_if(self.count, self.count == 0, "cannot pop from an empty CircularBuffer")
-        slot = self._oldest_slot(count)
-        item = jax.tree.map(lambda x: x[slot], self.data)
+        item = jax.tree.map(lambda x: x[self._oldest_slot()], self.data)
+        # The check guards the outputs themselves: a guard on an intermediate (the slot) can be
+        # optimised away, e.g. when max_size == 1 makes the gather independent of its index.
+        item, count = eqx.error_if(
+            (item, self.count), self.count == 0, "cannot pop from an empty CircularBuffer"
+        )
         return item, eqx.tree_at(lambda b: b.count, self, count - 1)
 
     def get(self, index: Int[ArrayLike, ""]) -> PyTree[Array]:
@@ -146,12 +156,11 @@ class CircularBuffer(eqx.Module):
                 f"{index.dtype}{list(index.shape)}."
             )
         index = index.astype(jnp.int32)
-        index = eqx.error_if(
-            index,
+        return eqx.error_if(
+            self._gather(index),
             (index < 0) | (index >= self.count),
             "`CircularBuffer.get(index)`: index out of range; it must satisfy 0 <= index < size",
         )
-        return self._gather(index)
 
     def update(self: _CB, fn: Callable[[PyTree[Array]], PyTree[Array]]) -> _CB:
         """Apply `fn` to every stored item.

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Int, PRNGKeyArray, PyTree, Shaped
 
 from ._abstract import AbstractReplay
-from ._checks import as_prototype, check_positive_int
+from ._checks import as_prototype, check_positive_int, Prototype
 from ._storage import CircularBuffer
 
 
@@ -43,7 +43,7 @@ class UniformReplay(AbstractReplay):
 
     storage: CircularBuffer
 
-    def __init__(self, prototype: PyTree[ArrayLike], max_size: int):
+    def __init__(self, prototype: Prototype, max_size: int):
         """**Arguments:**
 
         - `prototype`: one item, a pytree of arrays (or Python scalars). Only its structure,
@@ -51,7 +51,9 @@ class UniformReplay(AbstractReplay):
         - `max_size`: the capacity, a positive Python int below `2**31`.
         """
         max_size = check_positive_int(max_size, "UniformReplay(max_size=...)")
-        self.storage = CircularBuffer(as_prototype(prototype, "UniformReplay(prototype=...)"), max_size)
+        self.storage = CircularBuffer(
+            as_prototype(prototype, "UniformReplay(prototype=...)"), max_size
+        )
 
     @property
     def max_size(self) -> int:
@@ -71,11 +73,13 @@ class UniformReplay(AbstractReplay):
 
     def sample(self, key: PRNGKeyArray, batch_size: int) -> PyTree[Shaped[Array, "batch ..."]]:
         batch_size = check_positive_int(batch_size, "UniformReplay.sample(batch_size=...)")
-        size = eqx.error_if(
-            self.storage.size, self.storage.size == 0, "cannot sample from an empty UniformReplay"
-        )
+        size = self.storage.size
         index = jax.random.randint(key, (batch_size,), 0, size, dtype=jnp.int32)
-        return self.storage._gather(index)
+        return eqx.error_if(
+            self.storage._gather(index), size == 0, "cannot sample from an empty UniformReplay"
+        )
 
     def update(self: _U, fn: Callable[[PyTree[Array]], PyTree[Array]]) -> _U:
-        return eqx.tree_at(lambda r: r.storage, self, self.storage._update(fn, "UniformReplay.update"))
+        return eqx.tree_at(
+            lambda r: r.storage, self, self.storage._update(fn, "UniformReplay.update")
+        )

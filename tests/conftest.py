@@ -1,0 +1,24 @@
+import os
+
+import jax
+from hypothesis import HealthCheck, settings
+from jaxtyping import install_import_hook
+
+
+# The hook must be in place before anything imports `dejax_eqx`, so that every annotated
+# function and module of the package is checked by beartype during the tests.
+_hook = install_import_hook("dejax_eqx", "beartype.beartype")
+
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+# Compilation makes the first run of each example slow: no deadlines. Shapes are drawn from small
+# fixed sets (tests/helpers.py) so compiled functions are reused across examples.
+# The ci profile is derandomized so that a CI run is reproducible; dev explores new examples on
+# every run.
+_common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile(
+    "ci", max_examples=25, stateful_step_count=20, derandomize=True, **_common
+)
+settings.register_profile("dev", max_examples=150, stateful_step_count=40, **_common)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
