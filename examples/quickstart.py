@@ -5,11 +5,10 @@ Run: python examples/quickstart.py
 
 import time
 
+import dejax_eqx as dx
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-
-import dejax_eqx as dx
 
 
 def main(num_steps: int = 200, num_envs: int = 64, batch_size: int = 256) -> None:
@@ -46,7 +45,7 @@ def main(num_steps: int = 200, num_envs: int = 64, batch_size: int = 256) -> Non
 
     in_place = buf.storage.data["obs"].unsafe_buffer_pointer() == pointer
     print(f"stored {int(buf.size)} / {buf.max_size} items after {num_steps} steps")
-    print(f"last batch: loss {float(loss):.3f}, mean step of sampled items {float(mean_action):.1f}")
+    print(f"last batch: loss {float(loss):.3f}, mean step sampled {float(mean_action):.1f}")
     print(f"buffer updated in place: {in_place}")
     print(f"{elapsed / num_steps * 1e6:.0f} us per step (including the first compile)")
 
