@@ -3,7 +3,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import equinox as eqx
-from jaxtyping import Array, ArrayLike, Int, PRNGKeyArray, PyTree
+from jaxtyping import Array, ArrayLike, Bool, Int, PRNGKeyArray, PyTree
 
 
 _R = TypeVar("_R", bound="AbstractReplay")
@@ -46,13 +46,21 @@ class AbstractReplay(eqx.Module):
         """
 
     @abc.abstractmethod
-    def add_batch(self: _R, items: PyTree[ArrayLike]) -> _R:
+    def add_batch(
+        self: _R, items: PyTree[ArrayLike], *, mask: Bool[ArrayLike, " n"] | None = None
+    ) -> _R:
         """Store `n` items at once; the same as `n` calls to `add`, in order.
+
+        One vectorised write, also when `n > max_size` (then only the last `max_size` items
+        remain, as after `n` adds).
 
         **Arguments:**
 
         - `items`: a pytree with the prototype's structure whose leaves have one extra leading
             axis of the same length `n`.
+        - `mask`: optional boolean array of shape `(n,)`: only the items where it is `True`
+            are added, in order, as if the others were not in the batch. Shapes stay static
+            under `jit` while the number of valid items varies.
 
         **Returns:** the new replay.
         """

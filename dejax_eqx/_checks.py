@@ -186,3 +186,14 @@ def check_fn_output(
 def spec_of(data: PyTree[Array], axes: int = 1) -> PyTree[jax.ShapeDtypeStruct]:
     """The per-item spec of stored `data`: each leaf's shape without its first `axes` axes."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[axes:], x.dtype), data)
+
+
+def check_mask(mask: ArrayLike, n: int, call: str) -> Array:
+    """A boolean `(n,)` mask for a batch of `n` items, as a JAX array."""
+    shape = tuple(np.shape(mask))
+    dtype = jnp.result_type(mask)
+    if shape != (n,):
+        raise ValueError(f"`{call}`: `mask` has shape {shape}, expected ({n},): one flag per item.")
+    if dtype != jnp.bool_:
+        raise TypeError(f"`{call}`: `mask` has dtype {dtype}, expected bool.")
+    return jnp.asarray(mask)

@@ -11,6 +11,7 @@ from ._checks import (
     as_prototype,
     check_fn_output,
     check_items,
+    check_mask,
     check_positive_int,
     Prototype,
     spec_of,
@@ -114,7 +115,9 @@ class CircularBuffer(eqx.Module):
         """
         return self._push(item, "CircularBuffer.push")
 
-    def push_batch(self: _CB, items: PyTree[ArrayLike]) -> _CB:
+    def push_batch(
+        self: _CB, items: PyTree[ArrayLike], *, mask: Bool[ArrayLike, " n"] | None = None
+    ) -> _CB:
         """Store `n` items at once; the same as `n` calls to `push`, in order.
 
         One vectorised write. When `n > max_size` only the last `max_size` items remain, as
@@ -124,10 +127,13 @@ class CircularBuffer(eqx.Module):
 
         - `items`: a pytree with the prototype's structure whose leaves have one extra leading
             axis of length `n` (the same `n` for every leaf; `n = 0` is allowed).
+        - `mask`: optional boolean array of shape `(n,)`. Only the items where it is `True` are
+            stored, as if those alone had been pushed, in order. Useful to keep shapes static
+            under `jit` when the number of valid items varies.
 
         **Returns:** the new buffer.
         """
-        return self._push_batch(items, "CircularBuffer.push_batch")
+        return self._push_batch(items, "CircularBuffer.push_batch", mask)
 
     def pop(self: _CB) -> tuple[PyTree[Array], _CB]:
         """Remove and return the oldest item.
@@ -218,9 +224,13 @@ class CircularBuffer(eqx.Module):
         count = jnp.minimum(self.count + 1, self.max_size)
         return eqx.tree_at(lambda b: (b.data, b.head, b.count), self, (data, head, count))
 
-    def _push_batch(self: _CB, items: PyTree[ArrayLike], call: str) -> _CB:
+    def _push_batch(
+        self: _CB, items: PyTree[ArrayLike], call: str, mask: Bool[ArrayLike, " n"] | None = None
+    ) -> _CB:
         items, n = check_items(self.item_spec, items, call, batched=True)
         assert n is not None
+        if mask is not None:
+            return self._push_masked(items, check_mask(mask, n, call))
         if n == 0:
             return self
         m = self.max_size
@@ -233,4 +243,20 @@ class CircularBuffer(eqx.Module):
         )
         head = ring_add(self.head, n % m, m)
         count = jnp.minimum(self.count, m - k) + k
+        return eqx.tree_at(lambda b: (b.data, b.head, b.count), self, (data, head, count))
+
+    def _push_masked(self: _CB, items: PyTree[Array], mask: Bool[Array, " n"]) -> _CB:
+        """Push the items where `mask` holds, in order; the count is known only at run time."""
+        m = self.max_size
+        rank = jnp.cumsum(mask, dtype=jnp.int32) - 1  # position among the valid items
+        total = jnp.sum(mask, dtype=jnp.int32)
+        kept = jnp.minimum(total, m)
+        # Like the unmasked path: of `total` pushes only the last `kept` survive; valid item r
+        # lands at offset r mod m from head. Everything else gets the out-of-range slot m and
+        # is dropped by the scatter (it would have been overwritten within this very batch).
+        survives = mask & (rank >= total - kept)
+        slots = jnp.where(survives, ring_add(self.head, rank % m, m), m)
+        data = jax.tree.map(lambda x, y: x.at[slots].set(y, mode="drop"), self.data, items)
+        head = ring_add(self.head, total % m, m)
+        count = jnp.minimum(self.count, m - kept) + kept
         return eqx.tree_at(lambda b: (b.data, b.head, b.count), self, (data, head, count))

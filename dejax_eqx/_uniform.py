@@ -4,7 +4,7 @@ from typing import TypeVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Int, PRNGKeyArray, PyTree, Shaped
+from jaxtyping import Array, ArrayLike, Bool, Int, PRNGKeyArray, PyTree, Shaped
 
 from ._abstract import AbstractReplay
 from ._checks import as_prototype, check_positive_int, Prototype
@@ -67,8 +67,10 @@ class UniformReplay(AbstractReplay):
         storage = self.storage._push(item, "UniformReplay.add")
         return eqx.tree_at(lambda r: r.storage, self, storage)
 
-    def add_batch(self: _U, items: PyTree[ArrayLike]) -> _U:
-        storage = self.storage._push_batch(items, "UniformReplay.add_batch")
+    def add_batch(
+        self: _U, items: PyTree[ArrayLike], *, mask: Bool[ArrayLike, " n"] | None = None
+    ) -> _U:
+        storage = self.storage._push_batch(items, "UniformReplay.add_batch", mask)
         return eqx.tree_at(lambda r: r.storage, self, storage)
 
     def sample(self, key: PRNGKeyArray, batch_size: int) -> PyTree[Shaped[Array, "batch ..."]]:

@@ -177,3 +177,11 @@ def test_annotations_are_checked_during_tests():
     cb = dx.CircularBuffer(ITEM, 3).push(_good())
     with pytest.raises(jaxtyping.TypeCheckError):
         cb.get(jnp.zeros((2,), jnp.int32))
+
+
+def test_bad_mask(buf_and_names):
+    buf, one, many = buf_and_names
+    with pytest.raises(ValueError, match=re.escape("`mask` has shape (3,), expected (2,)")):
+        getattr(buf, many)(_good(2), mask=jnp.ones(3, bool))
+    with pytest.raises(TypeError, match="`mask` has dtype int32, expected bool|parameter 'mask'"):
+        getattr(buf, many)(_good(2), mask=jnp.ones(2, jnp.int32))

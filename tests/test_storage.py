@@ -19,17 +19,26 @@ BATCH_SIZES = [0, 1, 2, 3, 5, 7, 13, 17]
 # Module-level jitted operations: compiled once per (spec, max_size, n) and reused across examples.
 _push = eqx.filter_jit(lambda cb, x: cb.push(x))
 _push_batch = eqx.filter_jit(lambda cb, x: cb.push_batch(x))
+_push_batch_masked = eqx.filter_jit(lambda cb, x, m: cb.push_batch(x, mask=m))
 _pop = eqx.filter_jit(lambda cb: cb.pop())
 _get = eqx.filter_jit(lambda cb, i: cb.get(i))
 _update = eqx.filter_jit(lambda cb: cb.update(bump))
 _eager = {
     "push": lambda cb, x: cb.push(x),
     "push_batch": lambda cb, x: cb.push_batch(x),
+    "push_batch_masked": lambda cb, x, m: cb.push_batch(x, mask=m),
     "pop": lambda cb: cb.pop(),
     "get": lambda cb, i: cb.get(i),
     "update": lambda cb: cb.update(bump),
 }
-_jitted = {"push": _push, "push_batch": _push_batch, "pop": _pop, "get": _get, "update": _update}
+_jitted = {
+    "push": _push,
+    "push_batch": _push_batch,
+    "push_batch_masked": _push_batch_masked,
+    "pop": _pop,
+    "get": _get,
+    "update": _update,
+}
 
 
 def _model_bump(item):
@@ -63,6 +72,13 @@ class CircularBufferMachine(RuleBasedStateMachine):
         items = random_batch(self.spec, n, self.rng)
         self.cb = self.ops["push_batch"](self.cb, items)
         self.model.push_batch(unstack(items, n))
+
+    @rule(data=st.data(), n=st.sampled_from(BATCH_SIZES))
+    def push_batch_masked(self, data, n):
+        mask = np.asarray(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)), bool)
+        items = random_batch(self.spec, n, self.rng)
+        self.cb = self.ops["push_batch_masked"](self.cb, items, mask)
+        self.model.push_batch([item for item, m in zip(unstack(items, n), mask) if m])
 
     @rule()
     def pop(self):

@@ -23,6 +23,7 @@ from .reference import RefUniformReplay
 
 _add = eqx.filter_jit(lambda r, x: r.add(x))
 _add_batch = eqx.filter_jit(lambda r, x: r.add_batch(x))
+_add_batch_masked = eqx.filter_jit(lambda r, x, m: r.add_batch(x, mask=m))
 _update = eqx.filter_jit(lambda r: r.update(bump))
 _sample = eqx.filter_jit(lambda r, key: r.sample(key, 16))
 _get = eqx.filter_jit(lambda r, i: r.storage.get(i))
@@ -54,6 +55,13 @@ class UniformReplayMachine(RuleBasedStateMachine):
         items = random_batch(self.spec, n, self.rng)
         self.replay = _add_batch(self.replay, items)
         self.model.add_batch(unstack(items, n))
+
+    @rule(data=st.data(), n=st.sampled_from([0, 1, 4, 9]))
+    def add_batch_masked(self, data, n):
+        mask = np.asarray(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)), bool)
+        items = random_batch(self.spec, n, self.rng)
+        self.replay = _add_batch_masked(self.replay, items, mask)
+        self.model.add_batch([item for item, m in zip(unstack(items, n), mask) if m])
 
     @precondition(lambda self: self.model.size > 0)
     @rule()
