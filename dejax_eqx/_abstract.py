@@ -81,6 +81,15 @@ class AbstractReplay(eqx.Module):
         """
 
     @abc.abstractmethod
+    def _draw(self, key: PRNGKeyArray, batch_size: int) -> Any:
+        """`sample` without its run-time checks (`batch_size` is already validated).
+
+        For wrappers such as `ClusteredReplay`, which draw from every wrapped replay at once
+        (empty ones included) and keep only the rows they need. On an empty replay the result
+        has the right structure, shapes and dtypes but meaningless values, and nothing raises.
+        """
+
+    @abc.abstractmethod
     def update(self: _R, fn: Callable[[PyTree[Array]], PyTree[Array]]) -> _R:
         """Apply `fn(item) -> item` to every stored item.
 

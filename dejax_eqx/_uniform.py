@@ -75,11 +75,15 @@ class UniformReplay(AbstractReplay):
 
     def sample(self, key: PRNGKeyArray, batch_size: int) -> PyTree[Shaped[Array, "batch ..."]]:
         batch_size = check_positive_int(batch_size, "UniformReplay.sample(batch_size=...)")
-        size = self.storage.size
-        index = jax.random.randint(key, (batch_size,), 0, size, dtype=jnp.int32)
         return eqx.error_if(
-            self.storage._gather(index), size == 0, "cannot sample from an empty UniformReplay"
+            self._draw(key, batch_size),
+            self.storage.size == 0,
+            "cannot sample from an empty UniformReplay",
         )
+
+    def _draw(self, key: PRNGKeyArray, batch_size: int) -> PyTree[Shaped[Array, "batch ..."]]:
+        index = jax.random.randint(key, (batch_size,), 0, self.storage.size, dtype=jnp.int32)
+        return self.storage._gather(index)
 
     def update(self: _U, fn: Callable[[PyTree[Array]], PyTree[Array]]) -> _U:
         return eqx.tree_at(
