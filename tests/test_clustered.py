@@ -312,7 +312,7 @@ def test_add_batch_overflowing_one_cluster_equals_sequential_adds():
 
 
 def _id_replay(dtype, num_clusters):
-    proto = {"c": jnp.zeros((), dtype), "x": jnp.zeros(())}
+    proto = {"c": jnp.zeros((), dtype), "x": jnp.zeros((), jnp.float32)}
     return dx.ClusteredReplay(dx.UniformReplay(proto, 2), num_clusters, cluster_of)
 
 
@@ -360,6 +360,12 @@ def test_ids_are_checked_in_their_own_dtype():
     for bad in [2**32 - 1, 2**31 + 1]:
         with pytest.raises(RuntimeError, match=ID_ERROR):
             _add_batch(replay, _id_items([bad, 0], np.uint32))
+    # int64 ids: 2**32 + 1 would wrap to the valid id 1 in int32.
+    with jax.enable_x64(True):
+        replay = _id_replay(jnp.int64, 3)
+        assert int(replay.add_batch(_id_items([1, 2], np.int64)).size) == 2
+        with pytest.raises(RuntimeError, match=ID_ERROR):
+            replay.add_batch(_id_items([2**32 + 1, 0], np.int64))
     # int8 ids with more clusters than int8 can name: no spurious upper-bound error.
     replay = _id_replay(jnp.int8, 200)
     assert int(_add_batch(replay, _id_items([127, 0], np.int8)).size) == 2
