@@ -4,6 +4,8 @@ Written the way dejax users wrote their code: plain `jax.jit`, the buffer object
 passed as an argument, the state passed in and out, `donate_argnums` on the state.
 """
 
+import pathlib
+
 import dejax_eqx as dx
 import dejax_eqx.compat.dejax as dejax
 import jax
@@ -12,7 +14,7 @@ import numpy as np
 import pytest
 from jax.experimental import checkify
 
-from .helpers import assert_frequencies, assert_tree_equal, to_numpy
+from .helpers import assert_frequencies, assert_tree_equal, python_blocks, to_numpy
 from .reference import RefCircularBuffer, RefUniformReplay
 
 
@@ -295,3 +297,24 @@ def test_uniform_eager_sample_error():
     buffer = dejax.uniform_replay(3)
     with pytest.raises(ValueError, match="Cannot sample from an empty buffer"):
         buffer.sample_fn(buffer.init_fn(PROTO), jax.random.key(0), 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# The examples of the pages and docstrings of this feature run as written.
+
+DOCS = pathlib.Path(__file__).parent.parent / "docs"
+EXAMPLES = {
+    "migration-dejax.md": lambda: (DOCS / "migration-dejax.md").read_text(),
+    "clustered.md": lambda: (DOCS / "clustered.md").read_text(),
+    "ClusteredReplay": lambda: dx.ClusteredReplay.__doc__,
+    "uniform_replay": lambda: dejax.uniform_replay.__doc__,
+    "clustered_replay": lambda: dejax.clustered_replay.__doc__,
+}
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_examples_run(name):
+    blocks = python_blocks(EXAMPLES[name]())
+    assert blocks
+    for block in blocks:
+        exec(compile(block, name, "exec"), {})
