@@ -145,8 +145,7 @@ class ClusteredReplay(AbstractReplay):
     def add(self: _C, item: PyTree[ArrayLike]) -> _C:
         call = "ClusteredReplay.add"
         item, _ = check_items(self._item_spec(), item, call, batched=False)
-        ids = jnp.asarray(self.cluster_fn(item))[None]
-        return self._insert(jax.tree.map(lambda x: x[None], item), ids, None, call)
+        return _insert(self, jax.tree.map(lambda x: x[None], item), None, call)
 
     def add_batch(
         self: _C, items: PyTree[ArrayLike], *, mask: Bool[ArrayLike, " n"] | None = None
@@ -158,7 +157,7 @@ class ClusteredReplay(AbstractReplay):
             mask = check_mask(mask, n, call)
         if n == 0:
             return self
-        return self._insert(items, jnp.asarray(jax.vmap(self.cluster_fn)(items)), mask, call)
+        return _insert(self, items, mask, call)
 
     def sample(self, key: PRNGKeyArray, batch_size: int) -> Any:
         """Draw `batch_size` rows: for each, a cluster, then an item from that cluster.
@@ -169,11 +168,7 @@ class ClusteredReplay(AbstractReplay):
         **Raises:** an `eqx.error_if` error if every cluster is empty.
         """
         batch_size = check_positive_int(batch_size, "ClusteredReplay.sample(batch_size=...)")
-        return eqx.error_if(
-            self._draw(key, batch_size),
-            self.size == 0,
-            "cannot sample from an empty ClusteredReplay",
-        )
+        return _sample(self, key, batch_size)
 
     def _draw(self, key: PRNGKeyArray, batch_size: int) -> Any:
         keys = jax.random.split(key, self.num_clusters + 1)
@@ -198,40 +193,55 @@ class ClusteredReplay(AbstractReplay):
 
     def update(self: _C, fn: Callable[[PyTree[Array]], PyTree[Array]]) -> _C:
         check_fn_output(self._item_spec(), fn, "ClusteredReplay.update")
-        clusters = eqx.filter_vmap(lambda r: r.update(fn))(self.clusters)
-        return eqx.tree_at(lambda r: r.clusters, self, clusters)
+        return _update(self, fn)
 
     def _item_spec(self) -> PyTree[jax.ShapeDtypeStruct]:
         return _item_spec(self.clusters, stacked=True)
 
-    def _insert(
-        self: _C,
-        items: PyTree[Array],
-        ids: Integer[Array, " n"],
-        mask: Bool[Array, " n"] | None,
-        call: str,
-    ) -> _C:
-        """Add each valid item to the cluster `ids` names; an id out of range is an error."""
-        bad = out_of_range(ids, self.num_clusters)
-        valid = jnp.ones(ids.shape, jnp.bool_) if mask is None else mask
-        # Checked before the cast, which could wrap an out-of-range id into range.
-        ids = ids.astype(jnp.int32)
 
-        def add_to(cluster: AbstractReplay, c: Int[Array, ""]) -> AbstractReplay:
-            # The masked add keeps the order of the valid items, so each cluster receives its
-            # items exactly as sequential adds would give them, overflow included.
-            return cluster.add_batch(items, mask=valid & (ids == c))
+# The vectorised bodies are jitted: inside a user's `jit` they are inlined, and called eagerly they
+# compile once instead of dispatching (and compiling) every vmapped primitive on its own.
 
-        clusters = eqx.filter_vmap(add_to)(
-            self.clusters, jnp.arange(self.num_clusters, dtype=jnp.int32)
-        )
-        clusters = _guard_counters(
-            clusters,
-            jnp.any(valid & bad),
-            f"`{call}`: `cluster_fn` returned a cluster id outside [0, num_clusters) = "
-            f"[0, {self.num_clusters})",
-        )
-        return eqx.tree_at(lambda r: r.clusters, self, clusters)
+
+@eqx.filter_jit
+def _insert(replay: _C, items: PyTree[Array], mask: Bool[Array, " n"] | None, call: str) -> _C:
+    """Add each valid item to the cluster `cluster_fn` names; an id out of range is an error."""
+    ids = jnp.asarray(jax.vmap(replay.cluster_fn)(items))
+    bad = out_of_range(ids, replay.num_clusters)
+    valid = jnp.ones(ids.shape, jnp.bool_) if mask is None else mask
+    # Checked before the cast, which could wrap an out-of-range id into range.
+    ids = ids.astype(jnp.int32)
+
+    def add_to(cluster: AbstractReplay, c: Int[Array, ""]) -> AbstractReplay:
+        # The masked add keeps the order of the valid items, so each cluster receives its
+        # items exactly as sequential adds would give them, overflow included.
+        return cluster.add_batch(items, mask=valid & (ids == c))
+
+    clusters = eqx.filter_vmap(add_to)(
+        replay.clusters, jnp.arange(replay.num_clusters, dtype=jnp.int32)
+    )
+    clusters = _guard_counters(
+        clusters,
+        jnp.any(valid & bad),
+        f"`{call}`: `cluster_fn` returned a cluster id outside [0, num_clusters) = "
+        f"[0, {replay.num_clusters})",
+    )
+    return eqx.tree_at(lambda r: r.clusters, replay, clusters)
+
+
+@eqx.filter_jit
+def _sample(replay: ClusteredReplay, key: PRNGKeyArray, batch_size: int) -> Any:
+    return eqx.error_if(
+        replay._draw(key, batch_size),
+        replay.size == 0,
+        "cannot sample from an empty ClusteredReplay",
+    )
+
+
+@eqx.filter_jit
+def _update(replay: _C, fn: Callable[[PyTree[Array]], PyTree[Array]]) -> _C:
+    clusters = eqx.filter_vmap(lambda r: r.update(fn))(replay.clusters)
+    return eqx.tree_at(lambda r: r.clusters, replay, clusters)
 
 
 def _item_spec(replay: AbstractReplay, *, stacked: bool = False) -> PyTree[jax.ShapeDtypeStruct]:
