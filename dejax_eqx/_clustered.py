@@ -193,14 +193,16 @@ class ClusteredReplay(AbstractReplay):
 
     def update(self: _C, fn: Callable[[PyTree[Array]], PyTree[Array]]) -> _C:
         check_fn_output(self._item_spec(), fn, "ClusteredReplay.update")
-        return _update(self, fn)
+        clusters = eqx.filter_vmap(lambda r: r.update(fn))(self.clusters)
+        return eqx.tree_at(lambda r: r.clusters, self, clusters)
 
     def _item_spec(self) -> PyTree[jax.ShapeDtypeStruct]:
         return _item_spec(self.clusters, stacked=True)
 
 
-# The vectorised bodies are jitted: inside a user's `jit` they are inlined, and called eagerly they
-# compile once instead of dispatching (and compiling) every vmapped primitive on its own.
+# The vectorised bodies of add and sample are jitted: inside a user's `jit` they are inlined, and
+# called eagerly they compile once instead of dispatching (and compiling) every vmapped primitive
+# on its own. Not `update`: its `fn` is often a fresh lambda, which would compile on every call.
 
 
 @eqx.filter_jit
@@ -236,12 +238,6 @@ def _sample(replay: ClusteredReplay, key: PRNGKeyArray, batch_size: int) -> Any:
         replay.size == 0,
         "cannot sample from an empty ClusteredReplay",
     )
-
-
-@eqx.filter_jit
-def _update(replay: _C, fn: Callable[[PyTree[Array]], PyTree[Array]]) -> _C:
-    clusters = eqx.filter_vmap(lambda r: r.update(fn))(replay.clusters)
-    return eqx.tree_at(lambda r: r.clusters, replay, clusters)
 
 
 def _item_spec(replay: AbstractReplay, *, stacked: bool = False) -> PyTree[jax.ShapeDtypeStruct]:
