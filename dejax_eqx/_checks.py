@@ -6,11 +6,13 @@ data (an empty buffer, an index out of range) go through `eqx.error_if`, so they
 eagerly and under `jit` alike.
 """
 
+import math
 import numbers
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import keystr, tree_flatten_with_path
@@ -40,6 +42,23 @@ def check_positive_int(value: Any, call: str, *, maximum: int = _INT32_MAX) -> i
     if value > maximum:
         raise ValueError(f"`{call}` must be at most {maximum}, got {value}.")
     return value
+
+
+def check_finite_float(value: Any, call: str) -> float:
+    """`value` as a finite Python `float`, else a `ValueError`/`TypeError` quoting `call`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"`{call}` must be a Python float, got {value!r} of type {type(value).__name__}."
+        )
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"`{call}` must be finite, got {value}.")
+    return value
+
+
+def is_concrete(x: Any) -> bool:
+    """Whether `x` holds a value now (not a tracer inside `jit`, `vmap`, `grad`, ...)."""
+    return not isinstance(x, jax.core.Tracer)
 
 
 def as_prototype(prototype: Prototype, call: str) -> PyTree[jax.ShapeDtypeStruct]:
@@ -197,3 +216,35 @@ def check_mask(mask: ArrayLike, n: int, call: str) -> Array:
     if dtype != jnp.bool_:
         raise TypeError(f"`{call}`: `mask` has dtype {dtype}, expected bool.")
     return jnp.asarray(mask)
+
+
+def check_index_fn(
+    spec: PyTree[jax.ShapeDtypeStruct], fn: Callable[[PyTree[Array]], Any], call: str
+) -> None:
+    """Check without running it that `fn(item)` returns one integer scalar."""
+    out = jax.eval_shape(fn, spec)
+    ok = isinstance(out, jax.ShapeDtypeStruct) and out.shape == ()
+    if not ok or not jnp.issubdtype(out.dtype, jnp.integer):
+        got = (
+            f"{out.dtype}{list(out.shape)}"
+            if isinstance(out, jax.ShapeDtypeStruct)
+            else f"a {type(out).__name__}"
+        )
+        raise TypeError(
+            f"`{call}` must map one item to one integer scalar (an int array of shape ()), "
+            f"but it returned {got}."
+        )
+
+
+def out_of_range(index: Array, n: int) -> Array:
+    """Where the integer array `index` lies outside `[0, n)`, compared in its own dtype.
+
+    No cast first: a cast to int32 could wrap an out-of-range int64 or uint32 value into range.
+    """
+    info = jnp.iinfo(index.dtype)
+    bad = jnp.zeros(index.shape, jnp.bool_)
+    if info.min < 0:
+        bad = bad | (index < 0)
+    if n <= info.max:  # else every value of the dtype is below n
+        bad = bad | (index >= jnp.asarray(n, index.dtype))
+    return bad

@@ -131,3 +131,14 @@ def assert_frequencies(counts, probabilities, *, alpha: float = 1e-6):
         f"chi-square p-value {result.pvalue:.3g} <= {alpha}: frequencies do not match "
         f"the expected probabilities"
     )
+
+
+def python_blocks(text: str) -> list[str]:
+    """The ```python blocks of a markdown page or docstring, dedented, ready to `exec`."""
+    import re
+    import textwrap
+
+    return [
+        textwrap.dedent(block)
+        for block in re.findall(r"```python\n(.*?)^\s*```", text, re.S | re.M)
+    ]

@@ -83,3 +83,70 @@ class RefUniformReplay:
         if not self.buffer.items:
             raise EmptyBufferError
         return np.full(self.size, 1.0 / self.size)
+
+
+class ClusterIdError(Exception):
+    """The model's counterpart of the library's "cluster id out of range" runtime error."""
+
+
+class RefClusteredReplay:
+    """Clustered replay: one inner model per cluster, each item added to the cluster it names.
+
+    `cluster_fn(item) -> int`; `inner()` makes an empty inner model (a `RefUniformReplay` by
+    default). A draw picks non-empty cluster `c` with probability proportional to
+    `size_c ** distribution_power`, then an item with the inner model's probabilities.
+    """
+
+    def __init__(
+        self,
+        num_clusters: int,
+        cluster_fn: Callable,
+        distribution_power: float = 0.0,
+        *,
+        inner: Callable,
+    ):
+        self.clusters = [inner() for _ in range(num_clusters)]
+        self.cluster_fn = cluster_fn
+        self.distribution_power = distribution_power
+
+    @property
+    def size(self) -> int:
+        return sum(c.size for c in self.clusters)
+
+    @property
+    def cluster_sizes(self) -> list[int]:
+        return [c.size for c in self.clusters]
+
+    def add(self, item) -> None:
+        self.add_batch([item])
+
+    def add_batch(self, items: list) -> None:
+        # All or nothing: a batch holding a bad id raises and changes nothing.
+        ids = [int(self.cluster_fn(item)) for item in items]
+        if any(not 0 <= c < len(self.clusters) for c in ids):
+            raise ClusterIdError(ids)
+        for item, c in zip(items, ids):
+            self.clusters[c].add(item)
+
+    def update(self, fn: Callable) -> None:
+        for c in self.clusters:
+            c.update(fn)
+
+    def contents(self) -> list:
+        """Every stored item, cluster by cluster, each cluster in its inner model's order."""
+        return [item for c in self.clusters for item in c.contents()]
+
+    def cluster_probabilities(self) -> np.ndarray:
+        sizes = np.array(self.cluster_sizes, dtype=np.float64)
+        if not sizes.any():
+            raise EmptyBufferError
+        weights = np.zeros_like(sizes)
+        weights[sizes > 0] = sizes[sizes > 0] ** self.distribution_power
+        return weights / weights.sum()
+
+    def probabilities(self) -> np.ndarray:
+        """The probability of drawing each stored item (in `contents()` order) in one draw."""
+        p = self.cluster_probabilities()
+        return np.concatenate(
+            [p[i] * c.probabilities() for i, c in enumerate(self.clusters) if c.size > 0]
+        )

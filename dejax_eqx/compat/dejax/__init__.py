@@ -1,0 +1,25 @@
+"""The functional API of [dejax](https://github.com/hr0nix/dejax) 0.1.3, on dejax_eqx's modules.
+
+Replace `import dejax` by
+
+```python
+import dejax_eqx.compat.dejax as dejax
+```
+
+and code written for dejax runs unchanged on current JAX: `uniform_replay`, `clustered_replay`
+(objects with `init_fn`, `size_fn`, `add_fn`, `add_batch_fn`, `sample_fn`, `update_fn`) and the
+`circular_buffer` functions keep dejax's signatures, arguments and results. A buffer state is
+a dejax_eqx module (`dx.UniformReplay`, `dx.ClusteredReplay`, `dx.CircularBuffer`), so it passes
+through `jax.jit` (donated or not), `jax.lax.scan` and `jax.vmap` like dejax's states did, and
+code can move to the module methods one call at a time. `docs/migration-dejax.md` maps every
+call and lists where the behaviour differs.
+"""
+
+from . import (
+    base as base,
+    circular_buffer as circular_buffer,
+    clustered as clustered,
+    uniform as uniform,
+)
+from .clustered import clustered_replay as clustered_replay
+from .uniform import uniform_replay as uniform_replay

@@ -1,0 +1,534 @@
+from typing import NamedTuple
+
+import dejax_eqx as dx
+import equinox as eqx
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis.stateful import initialize, invariant, precondition, rule, RuleBasedStateMachine
+
+from .helpers import (
+    assert_frequencies,
+    assert_tree_equal,
+    bump,
+    random_batch,
+    random_item,
+    SPECS,
+    to_numpy,
+    tree_equal,
+    unstack,
+)
+from .reference import ClusterIdError, RefClusteredReplay, RefUniformReplay
+
+
+# Items of the state machine carry their cluster id in the int32 leaf "c" next to a payload "x"
+# from the spec catalogue; `cluster_of` is one module-level function, so compiled steps are
+# reused across examples.
+def cluster_of(item):
+    return item["c"]
+
+
+def _machine_spec(name):
+    return {"c": jax.ShapeDtypeStruct((), jnp.int32), "x": SPECS[name]}
+
+
+_add = eqx.filter_jit(lambda r, x: r.add(x))
+_add_batch = eqx.filter_jit(lambda r, x: r.add_batch(x))
+_add_batch_masked = eqx.filter_jit(lambda r, x, m: r.add_batch(x, mask=m))
+_update = eqx.filter_jit(lambda r: r.update(bump))
+_sample = eqx.filter_jit(lambda r, key: r.sample(key, 16))
+_sample_n = eqx.filter_jit(lambda r, key, n: r.sample(key, n))  # n: a static Python int
+
+
+@eqx.filter_jit
+def _cluster_contents(replay):
+    """Every cluster's slots in logical order (oldest first), and the cluster sizes."""
+    slots = eqx.filter_vmap(lambda r: r.storage._gather(jnp.arange(r.max_size)))(replay.clusters)
+    return slots, replay.cluster_sizes, replay.size
+
+
+ID_ERROR = "cluster id outside"
+BAD_IDS = [-1, -(2**31), 2**31 - 1]  # plus num_clusters itself, added per machine
+
+
+class ClusteredReplayMachine(RuleBasedStateMachine):
+    """Random add / add_batch / update / sample sequences, good and bad ids, against the model."""
+
+    # A few configurations, so that compiled steps are reused across examples; the powers are
+    # covered exactly by the statistical tests below.
+    @initialize(
+        spec_name=st.sampled_from(["dict", "nested"]),
+        shape=st.sampled_from([(1, 1), (3, 1), (3, 3)]),
+        seed=st.integers(0, 2**32 - 1),
+    )
+    def init(self, spec_name, shape, seed):
+        num_clusters, max_size = shape
+        power = 0.5
+        self.spec = _machine_spec(spec_name)
+        self.num_clusters = num_clusters
+        self.rng = np.random.default_rng(seed)
+        inner = dx.UniformReplay(self.spec, max_size)
+        self.replay = dx.ClusteredReplay(inner, num_clusters, cluster_of, power)
+        self.model = RefClusteredReplay(
+            num_clusters, cluster_of, power, inner=lambda: RefUniformReplay(max_size)
+        )
+        self.key = jax.random.key(seed)
+
+    def _ids(self, data, n, *, bad):
+        ids = data.draw(st.lists(st.integers(0, self.num_clusters - 1), min_size=n, max_size=n))
+        if bad and n:
+            ids[data.draw(st.integers(0, n - 1))] = data.draw(
+                st.sampled_from(BAD_IDS + [self.num_clusters])
+            )
+        return np.asarray(ids, np.int32)
+
+    def _batch(self, ids):
+        items = random_batch(self.spec, len(ids), self.rng)
+        items["c"] = ids
+        return items
+
+    def _expect(self, op, model_op):
+        """Run `op` on the replay and `model_op` on the model; they fail or succeed together."""
+        try:
+            model_op()
+        except ClusterIdError:
+            with pytest.raises(RuntimeError, match=ID_ERROR):
+                op()
+            return
+        self.replay = op()
+
+    @rule(data=st.data(), bad=st.booleans())
+    def add(self, data, bad):
+        item = random_item(self.spec, self.rng)
+        item["c"] = self._ids(data, 1, bad=bad)[0]
+        self._expect(lambda: _add(self.replay, item), lambda: self.model.add(item))
+
+    @rule(data=st.data(), n=st.sampled_from([0, 2, 7]), bad=st.booleans())
+    def add_batch(self, data, n, bad):
+        items = self._batch(self._ids(data, n, bad=bad))
+        self._expect(
+            lambda: _add_batch(self.replay, items), lambda: self.model.add_batch(unstack(items, n))
+        )
+
+    @rule(data=st.data(), n=st.sampled_from([0, 2, 7]), bad=st.booleans())
+    def add_batch_masked(self, data, n, bad):
+        # A bad id under a False mask entry is no error: that item is not in the batch.
+        mask = np.asarray(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)), bool)
+        items = self._batch(self._ids(data, n, bad=bad))
+        valid = [item for item, m in zip(unstack(items, n), mask) if m]
+        self._expect(
+            lambda: _add_batch_masked(self.replay, items, mask),
+            lambda: self.model.add_batch(valid),
+        )
+
+    @precondition(lambda self: self.model.size > 0)
+    @rule()
+    def update(self):
+        # `bump` changes "c" too: stored items keep their cluster, as in the model.
+        self.replay = _update(self.replay)
+        self.model.update(lambda item: to_numpy(bump(item)))
+
+    @rule()
+    def sample(self):
+        self.key, key = jax.random.split(self.key)
+        if self.model.size == 0:
+            with pytest.raises(RuntimeError, match="cannot sample from an empty ClusteredReplay"):
+                _sample(self.replay, key)
+            return
+        batch = _sample(self.replay, key)
+        stored = self.model.contents()
+        # Every sampled row is a stored item (the support is exact).
+        for row in unstack(batch, 16):
+            assert any(tree_equal(row, item) for item in stored), row
+
+    @invariant()
+    def same_contents(self):
+        slots, sizes, size = _cluster_contents(self.replay)
+        assert sizes.tolist() == self.model.cluster_sizes
+        assert int(size) == self.model.size
+        assert self.replay.max_size == self.num_clusters * self.model.clusters[0].buffer.max_size
+        for c, cluster in enumerate(self.model.clusters):
+            for i, expected in enumerate(cluster.contents()):
+                assert_tree_equal(jax.tree.map(lambda x: x[c, i], slots), expected)
+
+
+TestClusteredReplayMachine = ClusteredReplayMachine.TestCase
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling statistics: exact per-item probabilities from the model, chi-square tested.
+
+
+def label_cluster(label):
+    """Items are int32 labels; label // 1000 is the cluster."""
+    return label // 1000
+
+
+def _labelled(num_clusters, power, counts, inner, model_inner):
+    """A clustered replay and its model, `counts[c]` labels added to cluster c in mixed order.
+
+    Half the labels go in through `add_batch`, the rest one by one through `add`.
+    """
+    labels = np.concatenate([1000 * c + np.arange(n) for c, n in enumerate(counts)])
+    labels = np.random.default_rng(0).permutation(labels).astype(np.int32)
+    replay = dx.ClusteredReplay(inner, num_clusters, label_cluster, power)
+    half = len(labels) // 2
+    replay = _add_batch(replay, jnp.asarray(labels[:half]))
+    for label in labels[half:]:
+        replay = _add(replay, jnp.asarray(label))
+    model = RefClusteredReplay(num_clusters, label_cluster, power, inner=model_inner)
+    model.add_batch(list(labels))
+    return replay, model
+
+
+def _uniform(max_size):
+    """An empty UniformReplay of int32 labels and its model's factory."""
+    return dx.UniformReplay(jnp.zeros((), jnp.int32), max_size), lambda: RefUniformReplay(max_size)
+
+
+_draws = eqx.filter_jit(lambda r, key: r.sample(key, 100_000))
+
+
+def _check_frequencies(labels, model):
+    labels = np.asarray(labels)
+    stored = np.asarray(model.contents())
+    # Exact support: every draw is a stored label.
+    assert np.isin(labels, stored).all()
+    position = {int(label): i for i, label in enumerate(stored)}
+    counts = np.bincount([position[int(x)] for x in labels], minlength=len(stored))
+    # Chi-square goodness of fit against the model's exact per-item probabilities: a correct
+    # sampler fails this with probability 1e-6.
+    assert_frequencies(counts, model.probabilities(), alpha=1e-6)
+
+
+@pytest.mark.parametrize("power", [0.0, 1.0, 0.5])
+def test_sampling_matches_exact_probabilities(power):
+    # Unequal clusters: 5 items; 20 items into 8 slots (wrapped: the oldest 12 are gone);
+    # an empty cluster, which must never be drawn; 2 items.
+    replay, model = _labelled(4, power, [5, 20, 0, 2], *_uniform(8))
+    assert replay.cluster_sizes.tolist() == [5, 8, 0, 2]
+    if power == 1.0:  # proportional to size: uniform over all stored items
+        np.testing.assert_allclose(model.probabilities(), np.full(15, 1 / 15))
+    _check_frequencies(_draws(replay, jax.random.key(int(power * 10))), model)
+
+
+def test_nested_clusters_sample_with_the_product_of_probabilities():
+    # Any AbstractReplay is an inner replay, a ClusteredReplay too: the outer replay splits by
+    # label // 1000 (power 1), each of its clusters by label parity (power 0).
+    def parity(label):
+        return label % 2
+
+    uniform, uniform_model = _uniform(4)
+    replay, model = _labelled(
+        3,
+        1.0,
+        [6, 3, 0],
+        dx.ClusteredReplay(uniform, 2, parity),
+        lambda: RefClusteredReplay(2, parity, 0.0, inner=uniform_model),
+    )
+    assert replay.max_size == 3 * 2 * 4
+    assert replay.cluster_sizes.tolist() == model.cluster_sizes == [6, 3, 0]
+    _check_frequencies(_draws(replay, jax.random.key(3)), model)
+
+
+def test_any_batch_size_works():
+    # dejax refused batch sizes whose per-cluster shares do not round to the total.
+    replay, _ = _labelled(2, 0.0, [4, 4], *_uniform(8))
+    for batch_size in [3, 5]:
+        assert _sample_n(replay, jax.random.key(batch_size), batch_size).shape == (batch_size,)
+
+
+class Drawn(NamedTuple):
+    items: jax.Array
+    indices: jax.Array
+    probabilities: jax.Array
+
+
+class IndexedReplay(dx.AbstractReplay):
+    """A test double of a replay whose draws are a NamedTuple, as PrioritisedReplay's are."""
+
+    inner: dx.UniformReplay
+
+    @property
+    def max_size(self):
+        return self.inner.max_size
+
+    @property
+    def size(self):
+        return self.inner.size
+
+    def add(self, item):
+        return eqx.tree_at(lambda r: r.inner, self, self.inner.add(item))
+
+    def add_batch(self, items, *, mask=None):
+        return eqx.tree_at(lambda r: r.inner, self, self.inner.add_batch(items, mask=mask))
+
+    def sample(self, key, batch_size):
+        return eqx.error_if(self._draw(key, batch_size), self.size == 0, "empty")
+
+    def _draw(self, key, batch_size):
+        index = jax.random.randint(key, (batch_size,), 0, self.size, dtype=jnp.int32)
+        probability = jnp.full((batch_size,), 1.0) / self.size.astype(jnp.float32)
+        return Drawn(self.inner.storage._gather(index), index, probability)
+
+    def update(self, fn):
+        return eqx.tree_at(lambda r: r.inner, self, self.inner.update(fn))
+
+
+def test_rows_of_structured_draws_stay_together():
+    # Each row of a NamedTuple draw (item, index, probability) must come whole from one cluster.
+    uniform, uniform_model = _uniform(8)
+    replay, model = _labelled(3, 0.5, [2, 7, 4], IndexedReplay(uniform), uniform_model)
+    drawn = eqx.filter_jit(lambda r, k: r.sample(k, 2000))(replay, jax.random.key(0))
+    assert isinstance(drawn, Drawn)
+    for label, index, probability in zip(*map(np.asarray, drawn)):
+        cluster = model.clusters[label // 1000]
+        assert cluster.contents()[index] == label
+        assert probability == np.float32(1 / cluster.size)
+    _check_frequencies(drawn.items, model)
+
+
+# ---------------------------------------------------------------------------------------------
+# Adding: batches equal sequential adds, ids are checked, never clipped.
+
+
+def test_add_batch_overflowing_one_cluster_equals_sequential_adds():
+    # Cluster 1 receives 10 items in one batch but holds 3; cluster 0 receives 2.
+    ids = np.array([1, 1, 0, 1, 1, 1, 1, 0, 1, 1, 1, 1], np.int32)
+    items = {"c": ids, "x": np.arange(12, dtype=np.float32)}
+    proto = {"c": jnp.zeros((), jnp.int32), "x": jnp.zeros(())}
+    empty = dx.ClusteredReplay(dx.UniformReplay(proto, 3), 2, cluster_of)
+    batched = empty.add_batch(items)
+    sequential = empty
+    for i in range(12):
+        sequential = sequential.add(jax.tree.map(lambda x: x[i], items))
+    assert_tree_equal(to_numpy(batched), to_numpy(sequential))
+    slots, sizes, _ = _cluster_contents(batched)
+    assert sizes.tolist() == [2, 3]
+    assert slots["x"][1].tolist() == [9.0, 10.0, 11.0]
+    assert slots["x"][0, :2].tolist() == [2.0, 7.0]
+
+
+def _id_replay(dtype, num_clusters):
+    proto = {"c": jnp.zeros((), dtype), "x": jnp.zeros((), jnp.float32)}
+    return dx.ClusteredReplay(dx.UniformReplay(proto, 2), num_clusters, cluster_of)
+
+
+def _id_items(ids, dtype):
+    return {"c": np.asarray(ids, dtype), "x": np.zeros(len(ids), np.float32)}
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_out_of_range_ids_are_errors(jit):
+    replay = _id_replay(jnp.int32, 3)
+    add = eqx.filter_jit(lambda r, x: r.add(x)) if jit else (lambda r, x: r.add(x))
+    add_batch = (
+        eqx.filter_jit(lambda r, x: r.add_batch(x)) if jit else (lambda r, x: r.add_batch(x))
+    )
+    for bad in [-1, 3, 2**31 - 1]:
+        with pytest.raises(RuntimeError, match=r"`ClusteredReplay.add`: .* \[0, 3\)"):
+            add(replay, {"c": np.int32(bad), "x": np.float32(0)})
+        with pytest.raises(RuntimeError, match=r"`ClusteredReplay.add_batch`: .* \[0, 3\)"):
+            add_batch(replay, _id_items([0, bad, 2], np.int32))
+
+
+def test_out_of_range_id_is_caught_with_one_cluster_of_one_slot():
+    # The degenerate shapes where XLA drops guards on intermediates (a 1-slot write ignores
+    # its index): the guard sits on the counters, so it survives.
+    proto = {"c": jnp.zeros((), jnp.int32), "x": jnp.zeros(())}
+    replay = dx.ClusteredReplay(dx.UniformReplay(proto, 1), 1, cluster_of)
+    add = eqx.filter_jit(lambda r, x: r.add(x))
+    with pytest.raises(RuntimeError, match=ID_ERROR):
+        add(replay, {"c": np.int32(1), "x": np.float32(0)})
+
+
+def test_masked_out_items_need_no_valid_id():
+    replay = _id_replay(jnp.int32, 2)
+    items = _id_items([0, -5, 1, 99], np.int32)
+    new = _add_batch_masked(replay, items, np.array([True, False, True, False]))
+    assert new.cluster_sizes.tolist() == [1, 1]
+    with pytest.raises(RuntimeError, match=ID_ERROR):
+        _add_batch_masked(replay, items, np.array([True, False, True, True]))
+
+
+def test_ids_are_checked_in_their_own_dtype():
+    # uint32 ids above 2**31 would wrap to negative int32 values; they are errors all the same.
+    replay = _id_replay(jnp.uint32, 3)
+    assert _add_batch(replay, _id_items([0, 2], np.uint32)).cluster_sizes.tolist() == [1, 0, 1]
+    for bad in [2**32 - 1, 2**31 + 1]:
+        with pytest.raises(RuntimeError, match=ID_ERROR):
+            _add_batch(replay, _id_items([bad, 0], np.uint32))
+    # int64 ids: 2**32 + 1 would wrap to the valid id 1 in int32.
+    with jax.enable_x64(True):
+        replay = _id_replay(jnp.int64, 3)
+        assert int(replay.add_batch(_id_items([1, 2], np.int64)).size) == 2
+        with pytest.raises(RuntimeError, match=ID_ERROR):
+            replay.add_batch(_id_items([2**32 + 1, 0], np.int64))
+    # int8 ids with more clusters than int8 can name: no spurious upper-bound error.
+    replay = _id_replay(jnp.int8, 200)
+    assert int(_add_batch(replay, _id_items([127, 0], np.int8)).size) == 2
+    with pytest.raises(RuntimeError, match=ID_ERROR):
+        _add_batch(replay, _id_items([-128, 0], np.int8))
+
+
+def test_sampling_an_empty_replay_is_an_error():
+    replay = _id_replay(jnp.int32, 3)
+    for sample in [lambda r, k: r.sample(k, 4), eqx.filter_jit(lambda r, k: r.sample(k, 4))]:
+        with pytest.raises(RuntimeError, match="cannot sample from an empty ClusteredReplay"):
+            sample(replay, jax.random.key(0))
+
+
+def test_update_reaches_every_cluster():
+    replay, model = _labelled(3, 0.0, [2, 0, 3], *_uniform(4))
+    replay = eqx.filter_jit(lambda r: r.update(lambda x: x + 7))(replay)
+    model.update(lambda x: x + 7)
+    slots, sizes, _ = _cluster_contents(replay)
+    assert [slots[c, : sizes[c]].tolist() for c in range(3)] == [
+        [int(x) for x in c.contents()] for c in model.clusters
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Static errors: at construction or at trace time, quoting the call.
+
+
+def _inner():
+    return dx.UniformReplay({"c": jnp.zeros((), jnp.int32), "x": jnp.zeros(2)}, 4)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(num_clusters=0), ValueError, r"num_clusters=...\)` must be positive"),
+        (dict(num_clusters=2.0), TypeError, r"num_clusters=...\)` must be a Python int"),
+        (dict(cluster_fn=3), TypeError, r"cluster_fn=...\)` must be a function"),
+        (dict(cluster_fn=lambda item: item["x"]), TypeError, r"returned float32\[2\]"),
+        (dict(cluster_fn=lambda item: item["c"] > 0), TypeError, r"returned bool\[\]"),
+        (dict(cluster_fn=lambda item: item["x"][0]), TypeError, r"integer scalar"),
+        (dict(distribution_power=float("nan")), ValueError, "must be finite"),
+        (dict(distribution_power=float("inf")), ValueError, "must be finite"),
+        (dict(distribution_power=jnp.asarray(1.0)), TypeError, "must be a Python float"),
+        (dict(inner=_inner().add({"c": 0, "x": jnp.zeros(2)})), ValueError, "must be an empty"),
+        (
+            dict(inner=dx.UniformReplay(jnp.zeros(()), 2**30), num_clusters=2),
+            ValueError,
+            "must fit in int32",
+        ),
+    ],
+)
+def test_bad_constructor_arguments(kwargs, error, match):
+    args = dict(inner=_inner(), num_clusters=2, cluster_fn=cluster_of) | kwargs
+    # The import hook's beartype check may refuse a badly typed argument before our own check.
+    with pytest.raises((error, TypeError), match=f"{match}|parameter"):
+        dx.ClusteredReplay(**args)
+
+
+def test_items_are_checked_against_the_prototype():
+    replay = dx.ClusteredReplay(_inner(), 2, cluster_of)
+    with pytest.raises(ValueError, match=r"`ClusteredReplay.add_batch`: .* leaf `\['x'\]`"):
+        replay.add_batch({"c": np.zeros(3, np.int32), "x": np.zeros((3, 5), np.float32)})
+    with pytest.raises(ValueError, match=r"`ClusteredReplay.add`: the item does not have"):
+        replay.add({"c": np.int32(0)})
+    with pytest.raises(TypeError, match=r"`ClusteredReplay.add`: item leaf `\['x'\]` has dtype"):
+        replay.add({"c": np.int32(0), "x": np.zeros(2, np.int32)})
+    with pytest.raises(ValueError, match=r"`ClusteredReplay.add_batch`: `mask` has shape"):
+        replay.add_batch(
+            {"c": np.zeros(3, np.int32), "x": np.zeros((3, 2), np.float32)}, mask=np.ones(2, bool)
+        )
+    with pytest.raises(ValueError, match=r"ClusteredReplay.update`: `fn` returned shape"):
+        replay.update(lambda item: {"c": item["c"], "x": item["x"][:1]})
+    with pytest.raises(ValueError, match=r"ClusteredReplay.sample\(batch_size=...\)"):
+        replay.sample(jax.random.key(0), 0)
+    # Python scalars take the stored dtype.
+    assert replay.add({"c": 1, "x": np.zeros(2, np.float32)}).cluster_sizes.tolist() == [0, 1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Transformations a training loop uses.
+
+
+def _proto():
+    return {"c": jnp.zeros((), jnp.int32), "x": jnp.zeros(4, jnp.float32)}
+
+
+def _items(n, start=0):
+    return {
+        "c": jnp.arange(start, start + n, dtype=jnp.int32) % 3,
+        "x": jnp.arange(start, start + 4 * n, dtype=jnp.float32).reshape(n, 4),
+    }
+
+
+def test_donated_step_updates_in_place():
+    # "warn" turns any donated array XLA could not reuse into a warning: an error here.
+    @eqx.filter_jit(donate="warn-except-first")
+    def step(inputs, replay):
+        items, key = inputs
+        replay, batch = replay.add_and_sample(items, key, 8)
+        return replay, batch["x"].sum()
+
+    replay = dx.ClusteredReplay(dx.UniformReplay(_proto(), 100), 3, cluster_of, 1.0)
+    data = replay.clusters.storage.data["x"]
+    pointer = data.unsafe_buffer_pointer()
+    for i in range(4):
+        old = replay.clusters.storage.data["x"]
+        replay, _ = step((_items(8, 8 * i), jax.random.key(i)), replay)
+        assert old.is_deleted()
+        assert replay.clusters.storage.data["x"].unsafe_buffer_pointer() == pointer
+    assert int(replay.size) == 32
+
+
+def test_scan_carry_equals_python_loop():
+    def body(replay, xs):
+        items, key = xs
+        return replay.add_and_sample(items, key, 5)
+
+    n_steps = 5
+    items = jax.tree.map(lambda x: x.reshape(n_steps, 4, *x.shape[1:]), _items(4 * n_steps))
+    keys = jax.random.split(jax.random.key(0), n_steps)
+    replay0 = dx.ClusteredReplay(dx.UniformReplay(_proto(), 3), 3, cluster_of, 0.5)
+    scanned, batches = jax.lax.scan(body, replay0, (items, keys))
+    replay = replay0
+    for t in range(n_steps):
+        replay, batch = eqx.filter_jit(body)(replay, jax.tree.map(lambda x: x[t], (items, keys)))
+        assert_tree_equal(jax.tree.map(lambda x: x[t], batches), batch)
+    assert_tree_equal(to_numpy(scanned), to_numpy(replay))
+
+
+def test_vmap_batch_of_clustered_replays():
+    num = 2
+    make = eqx.filter_vmap(
+        lambda p: dx.ClusteredReplay(dx.UniformReplay(p, 5), 3, cluster_of),
+        in_axes=None,
+        axis_size=num,
+    )
+    replays = eqx.filter_jit(make)(_proto())
+    assert replays.clusters.storage.data["x"].shape == (num, 3, 5, 4)
+    per_replay = [_items(6, 10 * k) for k in range(num)]
+    batch = jax.tree.map(lambda *xs: jnp.stack(xs), *per_replay)
+    replays = eqx.filter_jit(eqx.filter_vmap(lambda r, x: r.add_batch(x)))(replays, batch)
+    keys = jax.random.split(jax.random.key(0), num)
+    samples = eqx.filter_jit(eqx.filter_vmap(lambda r, k: r.sample(k, 7)))(replays, keys)
+    for k in range(num):
+        single = dx.ClusteredReplay(dx.UniformReplay(_proto(), 5), 3, cluster_of)
+        single = _add_batch(single, per_replay[k])
+        assert_tree_equal(to_numpy(jax.tree.map(lambda x: x[k], replays)), to_numpy(single))
+        assert_tree_equal(jax.tree.map(lambda x: x[k], samples), _sample_n(single, keys[k], 7))
+
+
+def test_same_function_compiles_once_a_fresh_lambda_retraces():
+    traces = []
+
+    @eqx.filter_jit
+    def step(replay, items, key):
+        traces.append(None)
+        return replay.add_and_sample(items, key, 4)
+
+    for i in range(3):  # fresh replays, the same cluster_fn: one trace
+        replay = dx.ClusteredReplay(dx.UniformReplay(_proto(), 4), 3, cluster_of)
+        step(replay, _items(2, i), jax.random.key(i))
+    assert len(traces) == 1
+    replay = dx.ClusteredReplay(dx.UniformReplay(_proto(), 4), 3, lambda item: item["c"])
+    step(replay, _items(2), jax.random.key(0))
+    assert len(traces) == 2
