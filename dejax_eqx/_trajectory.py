@@ -455,13 +455,18 @@ class TrajectoryBuffer(eqx.Module):
         # Start (e, i) has weight w(r) = r**p, r = min(L_e - i, T) in 1..T. Per env there are
         # F_e = max(L_e - T + 1, 0) starts with r = T and one start for each r in 1..k_e,
         # k_e = min(L_e, T - 1). With S[k] = w(1) + ... + w(k), env e weighs
-        # W_e = F_e w(T) + S[k_e]. Everything is computed from logarithms, so that no power
-        # overflows or underflows a weight to zero, and an empty env weighs exactly 0.
+        # W_e = F_e w(T) + S[k_e]. Weights are handled as logarithms, so that no power
+        # overflows, and an empty env weighs exactly 0 (log W_e = -inf) for every power.
         log_w = power * jnp.log(jnp.arange(1, T + 1, dtype=jnp.float32))  # log w(1..T)
-        # log S[0..T-1]; S[0] = 0.
-        log_s = jnp.concatenate([jnp.full((1,), -jnp.inf), jax.lax.cumlogsumexp(log_w[:-1])])
         full = jnp.maximum(lengths - (T - 1), 0)
         tail = jnp.minimum(lengths, T - 1)
+        # log S[0..T-1] (S[0] = 0) from one cumulative sum, scaled by the largest term any env
+        # uses, w(max k_e) (w is monotone in r): so no entry in use overflows and the largest
+        # one in use is >= 1. Entries that underflow to 0 belong to envs whose weight is below
+        # 1e-38 of another's.
+        shift = jnp.maximum(0.0, power * jnp.log(jnp.maximum(jnp.max(tail), 1).astype(jnp.float32)))
+        s = jnp.cumsum(jnp.exp(log_w[:-1] - shift))
+        log_s = jnp.log(jnp.concatenate([jnp.zeros(1), s])) + shift
         log_env = jnp.logaddexp(jnp.log(full.astype(jnp.float32)) + log_w[-1], log_s[tail])
 
         # All the randomness in one draw (one PRNG kernel): two uniforms and a 64-bit integer

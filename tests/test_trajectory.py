@@ -347,23 +347,39 @@ def test_sample_mixed_rows_follow_their_sources(stats_buffer):
         assert_frequencies(*_frequencies(env, offset, probabilities), alpha=1e-6)
 
 
+@pytest.fixture(scope="module")
+def short_windows():
+    """Windows all shorter than T = 12, the longest not in the last env: replay lengths
+    [9, 2, 0, 11], online lengths [9, 2, 0, 5]."""
+    rng = np.random.default_rng(1)
+    prototype = {"env": jnp.zeros((), jnp.int32), "pos": jnp.zeros((), jnp.int32)}
+    buf = dx.TrajectoryBuffer(prototype, 4, 12)
+    model = RefTrajectoryBuffer(4, 12)
+    added = [0] * 4
+    buf = _async_adds(buf, model, added, {3: 6}, rng)
+    buf = buf.reset_online_queue()
+    model.reset_online_queue()
+    buf = _async_adds(buf, model, added, {0: 9, 1: 2, 3: 5}, rng)
+    return buf, model, added
+
+
 @pytest.mark.parametrize("source", ["replay", "online"])
-def test_extreme_powers_neither_overflow_nor_underflow(stats_buffer, source):
-    buf, model, added = stats_buffer
+def test_extreme_powers_neither_overflow_nor_underflow(short_windows, source):
+    buf, model, added = short_windows
     lengths = model.lengths(source)
-    # Power 200 with T = 12: every window is at most 12 long, and the longest single start
-    # (offset 0 of the longest window) outweighs any other by (12/11)**200 > 3e7. Computed
-    # naively, 12**200 overflows float32 (and scaled by it, the short windows underflow).
-    seqs, mask = _sample_stats(buf, jax.random.key(5), 12, jnp.asarray(200.0), source)
+    # Power 1000 with T = 12: the longest single start (offset 0 of the longest window)
+    # outweighs all others together by more than 1e40. Computed naively, 12**1000 overflows
+    # float32, and scaled by 11**1000 (the largest possible tail weight) every window shorter
+    # than 10 underflows to weight 0.
+    seqs, mask = _sample_stats(buf, jax.random.key(5), 12, jnp.asarray(1000.0), source)
     env, offset = _decode(seqs, mask, model, added, 12, source)
-    longest = int(np.argmax(lengths))
-    assert (env == longest).all() and (offset == 0).all()
-    # Power -200: only the starts with one step left (the newest step of each non-empty env)
+    assert (env == np.argmax(lengths)).all() and (offset == 0).all()
+    # Power -1000: only the starts with one step left (the newest step of each non-empty env)
     # have non-negligible weight, all equal.
-    seqs, mask = _sample_stats(buf, jax.random.key(6), 5, jnp.asarray(-200.0), source)
+    seqs, mask = _sample_stats(buf, jax.random.key(6), 5, jnp.asarray(-1000.0), source)
     env, offset = _decode(seqs, mask, model, added, 5, source)
     assert (offset == lengths[env] - 1).all()
-    counts = np.bincount(env, minlength=STATS_NUM_ENVS)
+    counts = np.bincount(env, minlength=4)
     nonempty = lengths > 0
     # Uniform over the non-empty envs; false-failure rate 1e-6.
     assert_frequencies(counts, nonempty / nonempty.sum(), alpha=1e-6)
