@@ -5,6 +5,7 @@ import importlib.metadata
 from ._abstract import AbstractReplay as AbstractReplay
 from ._clustered import ClusteredReplay as ClusteredReplay
 from ._storage import CircularBuffer as CircularBuffer
+from ._trajectory import TrajectoryBuffer as TrajectoryBuffer
 from ._uniform import UniformReplay as UniformReplay
 
 

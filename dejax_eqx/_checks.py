@@ -8,9 +8,10 @@ eagerly and under `jit` alike.
 
 import math
 import numbers
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
+import equinox as eqx
 import jax
 import jax.core
 import jax.numpy as jnp
@@ -20,6 +21,7 @@ from jaxtyping import Array, ArrayLike, PyTree
 
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
+_S = TypeVar("_S", bound=str)
 
 # What a constructor accepts as a prototype item: array-likes, or shape/dtype structs.
 Prototype = PyTree[ArrayLike | jax.ShapeDtypeStruct]
@@ -248,3 +250,76 @@ def out_of_range(index: Array, n: int) -> Array:
     if n <= info.max:  # else every value of the dtype is below n
         bad = bad | (index >= jnp.asarray(n, index.dtype))
     return bad
+
+
+def check_nonnegative_int(value: Any, call: str, *, maximum: int = _INT32_MAX) -> int:
+    """`value` as an `int` in `[0, maximum]`, else a `ValueError`/`TypeError` quoting `call`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"`{call}` must be a Python int, got {value!r} of type {type(value).__name__}."
+        )
+    value = int(value)
+    if value < 0:
+        raise ValueError(f"`{call}` must be non-negative, got {value}.")
+    if value > maximum:
+        raise ValueError(f"`{call}` must be at most {maximum}, got {value}.")
+    return value
+
+
+def check_choice(value: Any, choices: tuple[_S, ...], call: str) -> _S:
+    """`value` if it is one of the strings `choices`, else a `ValueError` quoting `call`."""
+    if not isinstance(value, str) or value not in choices:
+        options = ", ".join(repr(c) for c in choices)
+        raise ValueError(f"`{call}` must be one of {options}, got {value!r}.")
+    return choices[choices.index(value)]
+
+
+def check_ids(
+    ids: ArrayLike, call: str, num: int, *, ndim: int | None = None, length: int | None = None
+) -> Array:
+    """An integer index array (env ids, cluster ids, ...) of ids in `[0, num)`, as int32.
+
+    Trace-time checks: the dtype must be integer (not bool) and, when given, the array must
+    have `ndim` axes and a leading axis of `length`. Whether the values are in range is data:
+    every value outside `[0, num)`, compared in its own dtype, becomes -1 (a plain cast could
+    wrap an int64 or uint32 id into range), for the caller's run-time check (see `count_ids`).
+    """
+    shape = tuple(np.shape(ids))
+    dtype = jnp.result_type(ids)
+    if isinstance(ids, bool) or not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"`{call}` must be an integer array, got dtype {dtype}.")
+    if ndim is not None and len(shape) != ndim:
+        raise ValueError(f"`{call}` must have {ndim} axis/axes, got shape {shape}.")
+    if length is not None and shape[0] != length:
+        raise ValueError(
+            f"`{call}` has {shape[0]} entries but the batch of items has {length}: one id per item."
+        )
+    arr = jnp.asarray(ids)
+    return jnp.where(out_of_range(arr, num), -1, arr).astype(jnp.int32)
+
+
+def count_ids(ids: Array, num: int) -> tuple[Array, Array]:
+    """How often each of `num` ids occurs in `ids`, for run-time checks with `eqx.error_if`.
+
+    **Returns:** `(in_range, counts)`: the per-entry flag `0 <= id < num`, and for each id in
+    `[0, num)` its number of occurrences (out-of-range entries are not counted). Then
+    `~in_range.all()` flags an id out of range and `(counts > 1).any()` a duplicate. Cost
+    O(len(ids) + num).
+    """
+    in_range = (ids >= 0) & (ids < num)
+    # Out-of-range entries are sent to index `num` and dropped (a negative index would wrap).
+    counts = jnp.zeros(num, jnp.int32).at[jnp.where(in_range, ids, num)].add(1, mode="drop")
+    return in_range, counts
+
+
+def error_if_any(x: PyTree, faults: Sequence[tuple[ArrayLike, str]]) -> PyTree:
+    """`eqx.error_if` for several faults at once: raise the message of the first that holds.
+
+    One conditional in the compiled program, however many faults: cheaper than chaining
+    `error_if`s, each of which passes `x` through a branch of its own. Thread the outputs of
+    the operation through `x` (see `dejax_eqx/README.md`).
+    """
+    preds = jnp.stack([jnp.asarray(pred) for pred, _ in faults])
+    # argmax of booleans: the index of the first fault that holds.
+    index = jnp.argmax(preds)
+    return eqx.branched_error_if(x, jnp.any(preds), index, [msg for _, msg in faults])

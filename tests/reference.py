@@ -150,3 +150,73 @@ class RefClusteredReplay:
         return np.concatenate(
             [p[i] * c.probabilities() for i, c in enumerate(self.clusters) if c.size > 0]
         )
+
+
+class EnvIdError(Exception):
+    """The model's counterpart of the library's "env id out of range / repeated" error."""
+
+
+class RefTrajectoryBuffer:
+    """Per-env streams of steps: a deque of the last `max_length` steps for each env, and the
+    number of steps added to each env since the last `reset_online_queue` (capped).
+
+    The replay window of an env is its whole deque; the online window is its last
+    `online[e]` steps. Sampling is described by `start_probabilities`, computed by brute force
+    over every (env, offset) pair.
+    """
+
+    def __init__(self, num_envs: int, max_length: int):
+        self.num_envs = num_envs
+        self.max_length = max_length
+        self.streams = [collections.deque(maxlen=max_length) for _ in range(num_envs)]
+        self.online = [0] * num_envs
+
+    def add(self, items: list, env_ids: list[int]) -> None:
+        """One step for each listed env; all-or-nothing: a bad id list changes nothing."""
+        if any(not 0 <= e < self.num_envs for e in env_ids):
+            raise EnvIdError("out of range")
+        if len(set(env_ids)) != len(env_ids):
+            raise EnvIdError("repeated")
+        for item, e in zip(items, env_ids):
+            self.streams[e].append(item)
+            self.online[e] = min(self.online[e] + 1, self.max_length)
+
+    def reset_online_queue(self) -> None:
+        self.online = [0] * self.num_envs
+
+    def lengths(self, source: str = "replay") -> np.ndarray:
+        if source == "replay":
+            return np.array([len(s) for s in self.streams])
+        return np.array(self.online)
+
+    def window(self, env: int, source: str = "replay") -> list:
+        """The steps of one env's window, oldest first."""
+        stream = list(self.streams[env])
+        return stream[len(stream) - int(self.lengths(source)[env]) :]
+
+    def peek(self, env_ids: list[int]) -> list:
+        if any(not 0 <= e < self.num_envs for e in env_ids):
+            raise EnvIdError("out of range")
+        if any(not self.streams[e] for e in env_ids):
+            raise EmptyBufferError
+        return [self.streams[e][-1] for e in env_ids]
+
+    def start_probabilities(self, sequence_length: int, power: float, source: str) -> dict:
+        """`{(env, offset): probability}` of one draw, over every start with positive weight.
+
+        A start at `offset` of a window of `L` steps has `r = min(L - offset, T)` steps left and
+        weight `r ** power` (with `r >= 1`, so `0 ** 0` never arises).
+        """
+        weights = {}
+        for env, length in enumerate(self.lengths(source)):
+            for offset in range(length):
+                r = min(length - offset, sequence_length)
+                weights[(env, offset)] = float(r) ** power
+        total = sum(weights.values())
+        if total == 0:
+            raise EmptyBufferError
+        return {start: w / total for start, w in weights.items()}
+
+    def sequence(self, env: int, offset: int, sequence_length: int, source: str) -> list:
+        """The real steps of the sequence starting at `offset`: `min(L - offset, T)` of them."""
+        return self.window(env, source)[offset : offset + sequence_length]

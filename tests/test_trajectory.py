@@ -1,0 +1,730 @@
+"""TrajectoryBuffer against its NumPy model: async adds, windows, peeks, sampled sequences."""
+
+import dejax_eqx as dx
+import equinox as eqx
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis.stateful import initialize, invariant, precondition, rule, RuleBasedStateMachine
+
+from .helpers import assert_frequencies, assert_tree_equal, random_batch, SPECS, to_numpy, unstack
+from .reference import EmptyBufferError, EnvIdError, RefTrajectoryBuffer
+
+
+# A small fixed catalogue, so that compiled functions are reused across examples: one item spec
+# and three (num_envs, max_length) configurations. Every step carries a unique int32 label (from
+# 1; 0 is what zero fill writes) next to a payload whose leaves cover the dtypes that must
+# survive storage and zero fill (bfloat16, int8, float32, uint32, bool).
+SPEC = {"label": jax.ShapeDtypeStruct((), jnp.int32), "x": SPECS["nested"], "y": SPECS["tuple"]}
+CONFIGS = [(1, 3), (4, 1), (4, 5)]
+BATCH = 8
+
+
+@eqx.filter_jit
+def _add(buf, items, env_ids):
+    return buf.add(items, env_ids=env_ids)
+
+
+@eqx.filter_jit
+def _add_all(buf, items):
+    return buf.add(items)
+
+
+@eqx.filter_jit
+def _reset(buf):
+    return buf.reset_online_queue()
+
+
+@eqx.filter_jit
+def _peek(buf, env_ids):
+    return buf.peek(env_ids)
+
+
+@eqx.filter_jit
+def _sample(buf, key, sequence_length, power, source):
+    return buf.sample(key, BATCH, sequence_length, distribution_power=power, source=source)
+
+
+@eqx.filter_jit
+def _sample_mixed(buf, key, sequence_length, power):
+    return buf.sample_mixed(key, 5, 3, sequence_length, power)
+
+
+def stored_windows(buf: dx.TrajectoryBuffer, source: str = "replay") -> list:
+    """Each env's window read straight from the fields, oldest step first, as NumPy items."""
+    data = to_numpy(buf.data)
+    head, lengths = np.asarray(buf.head), np.asarray(buf.lengths(source))
+    out = []
+    for env in range(buf.num_envs):
+        slots = (head[env] - lengths[env] + np.arange(lengths[env])) % buf.max_length
+        out.append([jax.tree.map(lambda x: x[env, s], data) for s in slots])
+    return out
+
+
+def check_sequences(seqs, mask, model: RefTrajectoryBuffer, t: int, source: str, labels: dict):
+    """Every sampled row is a start in the model's support, with the model's steps in it, its
+    mask a prefix of length `min(L - offset, T)`, and zeros after it."""
+    seqs, mask = to_numpy(seqs), np.asarray(mask)
+    support = model.start_probabilities(t, 1.0, source)  # power only changes the weights
+    for b, row in enumerate(unstack(seqs, mask.shape[0])):
+        env, position = labels[int(row["label"][0])]
+        window = model.window(env, source)
+        offsets = [i for i, step in enumerate(window) if int(step["label"]) == row["label"][0]]
+        assert len(offsets) == 1, (b, env, position)
+        offset = offsets[0]
+        assert (env, offset) in support
+        expected = model.sequence(env, offset, t, source)
+        r = len(expected)
+        assert r == min(len(window) - offset, t)
+        assert mask[b].tolist() == [i < r for i in range(t)]
+        for i in range(t):
+            step = jax.tree.map(lambda x: x[i], row)
+            if i < r:
+                assert_tree_equal(step, expected[i], f"row {b} step {i}")
+            else:
+                zero = jax.tree.map(lambda x: np.zeros_like(x), expected[0])
+                assert_tree_equal(step, zero, f"row {b} step {i} (masked)")
+
+
+class TrajectoryMachine(RuleBasedStateMachine):
+    """Random interleavings of async adds, online-queue resets, peeks and samples."""
+
+    @initialize(config=st.sampled_from(CONFIGS), data=st.data(), seed=st.integers(0, 2**32 - 1))
+    def init(self, config, data, seed):
+        num_envs, max_length = config
+        self.spec = SPEC
+        self.rng = np.random.default_rng(seed)
+        self.key = jax.random.key(seed)
+        self.buf = dx.TrajectoryBuffer(self.spec, num_envs, max_length)
+        self.model = RefTrajectoryBuffer(num_envs, max_length)
+        # Only these envs ever receive data; the others stay empty throughout.
+        self.active = sorted(data.draw(st.sets(st.integers(0, num_envs - 1)), label="active"))
+        self.labels: dict[int, tuple[int, int]] = {}  # label -> (env, position in its stream)
+        self.added = [0] * num_envs
+
+    def _steps(self, env_ids):
+        n = len(env_ids)
+        items = random_batch(self.spec, n, self.rng)
+        first = len(self.labels) + 1
+        items["label"] = np.arange(first, first + n, dtype=np.int32)
+        return items
+
+    def _add(self, env_ids, all_envs=False):
+        items = self._steps(env_ids)
+        if all_envs:
+            self.buf = _add_all(self.buf, items)
+        else:
+            self.buf = _add(self.buf, items, np.asarray(env_ids, np.int32))
+        self.model.add(unstack(items, len(env_ids)), list(env_ids))
+        for label, env in zip(items["label"].tolist(), env_ids):
+            self.labels[label] = (env, self.added[env])
+            self.added[env] += 1
+
+    def _subset(self, data):
+        if not self.active:
+            return []
+        return data.draw(st.lists(st.sampled_from(self.active), unique=True), label="env_ids")
+
+    @rule(data=st.data())
+    def add(self, data):
+        self._add(self._subset(data))
+
+    @precondition(lambda self: len(self.active) == self.buf.num_envs)
+    @rule()
+    def add_all(self):
+        self._add(list(range(self.buf.num_envs)), all_envs=True)
+
+    @rule(data=st.data(), times=st.sampled_from([5, 13]))
+    def add_repeatedly(self, data, times):
+        # The same subset many times in a row: streams wrap around several times.
+        env_ids = self._subset(data)
+        for _ in range(times):
+            self._add(env_ids)
+
+    @rule(data=st.data(), fault=st.sampled_from(["repeat", "too large", "negative"]))
+    def add_bad_ids(self, data, fault):
+        num_envs = self.buf.num_envs
+        # Two ids, so that the compiled add of two steps is reused.
+        env = data.draw(st.integers(0, num_envs - 1))
+        bad = {"repeat": env, "too large": num_envs, "negative": -1}[fault]
+        env_ids = data.draw(st.permutations([env, bad]))
+        items = self._steps(env_ids)
+        with pytest.raises(EnvIdError):
+            self.model.add(unstack(items, len(env_ids)), env_ids)
+        with pytest.raises(RuntimeError, match="out of range|more than once"):
+            _add(self.buf, items, np.asarray(env_ids, np.int32))
+
+    @rule()
+    def reset_online_queue(self):
+        self.buf = _reset(self.buf)
+        self.model.reset_online_queue()
+
+    @rule(data=st.data())
+    def peek(self, data):
+        num_envs = self.buf.num_envs
+        env_ids = data.draw(st.lists(st.integers(-1, num_envs), min_size=3, max_size=3))
+        try:
+            expected = self.model.peek(env_ids)
+        except (EnvIdError, EmptyBufferError):
+            with pytest.raises(RuntimeError, match="out of range|no stored step"):
+                _peek(self.buf, np.asarray(env_ids, np.int32))
+            return
+        got = _peek(self.buf, np.asarray(env_ids, np.int32))
+        for i, step in enumerate(expected):
+            assert_tree_equal(jax.tree.map(lambda x: x[i], got), step)
+
+    @rule(
+        data=st.data(),
+        source=st.sampled_from(["replay", "online"]),
+        power=st.sampled_from([0.0, 1.0, 2.0]),
+    )
+    def sample(self, data, source, power):
+        m = self.buf.max_length
+        t = data.draw(st.sampled_from(sorted({min(2, m), m})), label="sequence_length")
+        self.key, key = jax.random.split(self.key)
+        args = (self.buf, key, t, jnp.asarray(power, jnp.float32), source)
+        if self.model.lengths(source).sum() == 0:
+            with pytest.raises(RuntimeError, match="cannot sample from an empty"):
+                _sample(*args)
+            return
+        seqs, mask = _sample(*args)
+        check_sequences(seqs, mask, self.model, t, source, self.labels)
+
+    @rule(power=st.sampled_from([0.0, 1.0]))
+    def sample_mixed(self, power):
+        t = min(2, self.buf.max_length)
+        self.key, key = jax.random.split(self.key)
+        if 0 in (self.model.lengths("replay").sum(), self.model.lengths("online").sum()):
+            with pytest.raises(RuntimeError, match="cannot sample from an empty"):
+                _sample_mixed(self.buf, key, t, jnp.asarray(power, jnp.float32))
+            return
+        seqs, mask = _sample_mixed(self.buf, key, t, jnp.asarray(power, jnp.float32))
+        # Replay rows first, then online rows.
+        first = jax.tree.map(lambda x: x[:5], (seqs, mask))
+        last = jax.tree.map(lambda x: x[5:], (seqs, mask))
+        check_sequences(*first, self.model, t, "replay", self.labels)
+        check_sequences(*last, self.model, t, "online", self.labels)
+
+    @invariant()
+    def same_state(self):
+        m = self.buf.max_length
+        head = np.asarray(self.buf.head)
+        replay = np.asarray(self.buf.lengths("replay"))
+        online = np.asarray(self.buf.lengths("online"))
+        assert self.buf.head.dtype == replay.dtype == online.dtype == np.int32
+        # Bounded counters, whatever the number of steps that went through.
+        assert ((0 <= head) & (head < m)).all()
+        assert ((0 <= online) & (online <= replay) & (replay <= m)).all()
+        assert replay.tolist() == self.model.lengths("replay").tolist()
+        assert online.tolist() == self.model.lengths("online").tolist()
+        for source in ["replay", "online"]:
+            windows = stored_windows(self.buf, source)
+            for env in range(self.buf.num_envs):
+                for got, expected in zip(windows[env], self.model.window(env, source)):
+                    assert_tree_equal(got, expected, f"env {env} {source}")
+
+
+TestTrajectoryMachine = TrajectoryMachine.TestCase
+
+
+# Sampling statistics. A buffer filled by random async adds, whose windows are, against
+# T = 5: env 0 empty (it never receives a step); env 1 replay 3 / online 2 (shorter); env 2
+# replay 5 / online 5 (equal); env 3 replay 12 / online 9 (longer; env 3 wrapped around its
+# 12 slots three times).
+STATS_NUM_ENVS, STATS_MAX_LENGTH = 4, 12
+STATS_DRAWS = 40_000
+
+
+def _labelled_steps(env_ids, added):
+    env_ids = np.asarray(env_ids, np.int32)
+    return {"env": env_ids, "pos": np.asarray([added[e] for e in env_ids], np.int32)}
+
+
+def _async_adds(buf, model, added, counts, rng):
+    """Add `counts[e]` steps to each env e, in random subsets and orders, one subset per add."""
+    left = dict(counts)
+    while any(left.values()):
+        ready = [e for e, n in left.items() if n > 0]
+        env_ids = [e for e in rng.permutation(ready) if rng.random() < 0.6] or ready[:1]
+        steps = _labelled_steps(env_ids, added)
+        buf = buf.add(steps, env_ids=np.asarray(env_ids, np.int32))
+        model.add(unstack(steps, len(env_ids)), [int(e) for e in env_ids])
+        for e in env_ids:
+            added[e] += 1
+            left[e] -= 1
+    return buf
+
+
+@pytest.fixture(scope="module")
+def stats_buffer():
+    rng = np.random.default_rng(0)
+    prototype = {"env": jnp.zeros((), jnp.int32), "pos": jnp.zeros((), jnp.int32)}
+    buf = dx.TrajectoryBuffer(prototype, STATS_NUM_ENVS, STATS_MAX_LENGTH)
+    model = RefTrajectoryBuffer(STATS_NUM_ENVS, STATS_MAX_LENGTH)
+    added = [0] * STATS_NUM_ENVS
+    buf = _async_adds(buf, model, added, {1: 1, 3: 30}, rng)
+    buf = buf.reset_online_queue()
+    model.reset_online_queue()
+    buf = _async_adds(buf, model, added, {1: 2, 2: 5, 3: 9}, rng)
+    assert buf.lengths("replay").tolist() == [0, 3, 5, 12]
+    assert buf.lengths("online").tolist() == [0, 2, 5, 9]
+    return buf, model, added
+
+
+_sample_stats = eqx.filter_jit(
+    lambda b, key, t, power, source: b.sample(
+        key, STATS_DRAWS, t, distribution_power=power, source=source
+    )
+)
+
+
+def _decode(seqs, mask, model, added, t, source):
+    """The (env, offset) of each sampled row, after checking the row's contents exactly."""
+    env_, pos = np.asarray(seqs["env"]), np.asarray(seqs["pos"])
+    mask = np.asarray(mask)
+    env = env_[:, 0]
+    lengths = model.lengths(source)
+    offset = pos[:, 0] - (np.asarray(added)[env] - lengths[env])
+    assert ((0 <= offset) & (offset < lengths[env])).all()
+    r = np.minimum(lengths[env] - offset, t)
+    steps = np.arange(t)[None, :]
+    assert (mask == (steps < r[:, None])).all()
+    # Real steps are consecutive steps of one env's stream; masked steps are zeros.
+    assert (np.where(mask, env_, 0) == np.where(mask, env[:, None], 0)).all()
+    assert (np.where(mask, pos, 0) == np.where(mask, pos[:, :1] + steps, 0)).all()
+    assert (env_[~mask] == 0).all() and (pos[~mask] == 0).all()
+    return env, offset
+
+
+def _frequencies(env, offset, probabilities: dict):
+    cells = sorted(probabilities)
+    index = {cell: i for i, cell in enumerate(cells)}
+    draws = [index[cell] for cell in zip(env.tolist(), offset.tolist())]  # KeyError: off support
+    counts = np.bincount(draws, minlength=len(cells))
+    return counts, np.asarray([probabilities[c] for c in cells])
+
+
+@pytest.mark.parametrize("source", ["replay", "online"])
+@pytest.mark.parametrize("t, power", [(5, 0.0), (5, 1.0), (5, 2.0), (1, 1.0), (12, 1.0), (12, 2.0)])
+def test_start_frequencies_match_exact_probabilities(stats_buffer, source, t, power):
+    buf, model, added = stats_buffer
+    key = jax.random.key(1000 * t + int(10 * power) + (source == "online"))
+    seqs, mask = _sample_stats(buf, key, t, jnp.asarray(power, jnp.float32), source)
+    env, offset = _decode(seqs, mask, model, added, t, source)
+    counts, probabilities = _frequencies(env, offset, model.start_probabilities(t, power, source))
+    # Pearson chi-square against the model's brute-force probabilities: a correct sampler
+    # fails with probability 1e-6 per case (1.2e-5 over the 12 cases).
+    assert_frequencies(counts, probabilities, alpha=1e-6)
+
+
+def test_frequency_test_detects_a_wrong_power(stats_buffer):
+    # The test above must be able to fail: draws made with power 1 are rejected against the
+    # probabilities of power 0 (and of power 1.2) with the same number of draws.
+    buf, model, added = stats_buffer
+    seqs, mask = _sample_stats(buf, jax.random.key(7), 5, jnp.asarray(1.0), "replay")
+    env, offset = _decode(seqs, mask, model, added, 5, "replay")
+    for wrong in [0.0, 1.2]:
+        counts, probabilities = _frequencies(
+            env, offset, model.start_probabilities(5, wrong, "replay")
+        )
+        with pytest.raises(AssertionError, match="chi-square"):
+            assert_frequencies(counts, probabilities, alpha=1e-6)
+
+
+def test_sample_mixed_rows_follow_their_sources(stats_buffer):
+    buf, model, added = stats_buffer
+    n = STATS_DRAWS // 2
+    seqs, mask = eqx.filter_jit(lambda b, k: b.sample_mixed(k, n, n, 5, 2.0))(
+        buf, jax.random.key(3)
+    )
+    for source, rows in [("replay", slice(0, n)), ("online", slice(n, 2 * n))]:
+        part = jax.tree.map(lambda x: x[rows], (seqs, mask))
+        env, offset = _decode(*part, model, added, 5, source)
+        probabilities = model.start_probabilities(5, 2.0, source)
+        # False-failure rate 1e-6 per source.
+        assert_frequencies(*_frequencies(env, offset, probabilities), alpha=1e-6)
+
+
+@pytest.fixture(scope="module")
+def short_windows():
+    """Windows all shorter than T = 12, the longest not in the last env: replay lengths
+    [9, 2, 0, 11], online lengths [9, 2, 0, 5]."""
+    rng = np.random.default_rng(1)
+    prototype = {"env": jnp.zeros((), jnp.int32), "pos": jnp.zeros((), jnp.int32)}
+    buf = dx.TrajectoryBuffer(prototype, 4, 12)
+    model = RefTrajectoryBuffer(4, 12)
+    added = [0] * 4
+    buf = _async_adds(buf, model, added, {3: 6}, rng)
+    buf = buf.reset_online_queue()
+    model.reset_online_queue()
+    buf = _async_adds(buf, model, added, {0: 9, 1: 2, 3: 5}, rng)
+    return buf, model, added
+
+
+@pytest.mark.parametrize("source", ["replay", "online"])
+def test_extreme_powers_neither_overflow_nor_underflow(short_windows, source):
+    buf, model, added = short_windows
+    lengths = model.lengths(source)
+    # Power 1000 with T = 12: the longest single start (offset 0 of the longest window)
+    # outweighs all others together by more than 1e40. Computed naively, 12**1000 overflows
+    # float32, and scaled by 11**1000 (the largest possible tail weight) every window shorter
+    # than 10 underflows to weight 0.
+    seqs, mask = _sample_stats(buf, jax.random.key(5), 12, jnp.asarray(1000.0), source)
+    env, offset = _decode(seqs, mask, model, added, 12, source)
+    assert (env == np.argmax(lengths)).all() and (offset == 0).all()
+    # Power -1000: only the starts with one step left (the newest step of each non-empty env)
+    # have non-negligible weight, all equal.
+    seqs, mask = _sample_stats(buf, jax.random.key(6), 5, jnp.asarray(-1000.0), source)
+    env, offset = _decode(seqs, mask, model, added, 5, source)
+    assert (offset == lengths[env] - 1).all()
+    counts = np.bincount(env, minlength=4)
+    nonempty = lengths > 0
+    # Uniform over the non-empty envs; false-failure rate 1e-6.
+    assert_frequencies(counts, nonempty / nonempty.sum(), alpha=1e-6)
+
+
+# Errors: static facts at trace time, faults in the data through eqx.error_if.
+
+STEP = {"obs": jnp.zeros(3, jnp.float32), "done": jnp.zeros((), jnp.bool_)}
+
+
+def _steps(n, value=1.0):
+    return {"obs": jnp.full((n, 3), value, jnp.float32), "done": jnp.zeros(n, jnp.bool_)}
+
+
+def _ids(*ids):
+    return np.asarray(ids, np.int32)
+
+
+def test_constructor_errors():
+    with pytest.raises(ValueError, match=r"TrajectoryBuffer\(num_envs=...\)` must be positive"):
+        dx.TrajectoryBuffer(STEP, 0, 4)
+    with pytest.raises(ValueError, match=r"TrajectoryBuffer\(max_length=...\)` must be positive"):
+        dx.TrajectoryBuffer(STEP, 2, 0)
+    with pytest.raises((TypeError, ValueError), match="no array leaves|prototype"):
+        dx.TrajectoryBuffer({}, 2, 4)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_add_static_errors(jit):
+    buf = dx.TrajectoryBuffer(STEP, 3, 4)
+    add = (
+        eqx.filter_jit(lambda b, x, i: b.add(x, env_ids=i))
+        if jit
+        else (lambda b, x, i: b.add(x, env_ids=i))
+    )
+    with pytest.raises(ValueError, match="has 2 entries but the batch of items has 3"):
+        add(buf, _steps(3), _ids(0, 1))
+    with pytest.raises((ValueError, TypeError), match="must have 1 axis|parameter 'env_ids'"):
+        add(buf, _steps(2), np.zeros((2, 1), np.int32))
+    with pytest.raises(TypeError, match="must be an integer array|parameter 'env_ids'"):
+        add(buf, _steps(2), np.zeros(2, np.float32))
+    with pytest.raises(TypeError, match=r"leaf `\['obs'\]` has dtype float16, expected float32"):
+        add(buf, {"obs": np.ones((2, 3), np.float16), "done": np.zeros(2, bool)}, _ids(0, 1))
+    with pytest.raises(ValueError, match="one step for every env.*2 entries and num_envs is 3"):
+        buf.add(_steps(2))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_add_bad_env_ids(jit):
+    buf = dx.TrajectoryBuffer(STEP, 3, 4)
+    add = (
+        eqx.filter_jit(lambda b, x, i: b.add(x, env_ids=i))
+        if jit
+        else (lambda b, x, i: b.add(x, env_ids=i))
+    )
+    for ids, msg in [
+        (_ids(0, 3), "out of range"),
+        (_ids(-1, 0), "out of range"),
+        (_ids(2, 2), "occurs more than once"),
+        (np.asarray([1, 2**32 - 1], np.uint32), "out of range"),
+    ]:
+        with pytest.raises(RuntimeError, match=msg):
+            add(buf, _steps(2), ids)
+    # Unsigned and narrow integer ids are fine; an empty list adds nothing.
+    buf = add(buf, _steps(2), np.asarray([2, 0], np.uint8))
+    assert buf.lengths().tolist() == [1, 0, 1]
+    assert buf.add(_steps(0), env_ids=_ids()) is buf
+
+
+def test_env_ids_are_checked_in_their_own_dtype():
+    # int64 ids under x64: 2**32 + 1 would wrap to the valid id 1 in int32.
+    with jax.enable_x64(True):
+        buf = dx.TrajectoryBuffer(STEP, 3, 4)
+        ids = np.asarray([2**32 + 1, 0], np.int64)
+        with pytest.raises(RuntimeError, match="out of range"):
+            buf.add(_steps(2), env_ids=ids)
+        with pytest.raises(RuntimeError, match="out of range"):
+            buf.add(_steps(3)).peek(ids)
+
+
+def test_sample_static_errors():
+    buf = dx.TrajectoryBuffer(STEP, 2, 4).add(_steps(2))
+    key = jax.random.key(0)
+    with pytest.raises(ValueError, match=r"sample\(batch_size=...\)` must be positive"):
+        buf.sample(key, 0, 2)
+    with pytest.raises(ValueError, match=r"sequence_length=...\)` must be at most max_length = 4"):
+        buf.sample(key, 3, 5)
+    with pytest.raises(ValueError, match=r"sequence_length=...\)` must be positive"):
+        buf.sample(key, 3, 0)
+    with pytest.raises(Exception, match="must be one of 'replay', 'online'|parameter 'source'"):
+        buf.sample(key, 3, 2, source="both")  # pyright: ignore[reportArgumentType]
+    with pytest.raises(Exception, match="must be a scalar|parameter 'distribution_power'"):
+        buf.sample(key, 3, 2, distribution_power=jnp.ones(2))
+    with pytest.raises(ValueError, match="both 0"):
+        buf.sample_mixed(key, 0, 0, 2)
+    with pytest.raises(ValueError, match=r"online_batch_size=...\)` must be non-negative"):
+        buf.sample_mixed(key, 2, -1, 2)
+    with pytest.raises(Exception, match="must be one of|parameter 'source'"):
+        buf.lengths("all")  # pyright: ignore[reportArgumentType]
+
+
+def test_sample_runtime_errors():
+    sample = eqx.filter_jit(lambda b, k, p, s: b.sample(k, 3, 2, distribution_power=p, source=s))
+    mixed = eqx.filter_jit(lambda b, k, r, o: b.sample_mixed(k, r, o, 2))
+    key = jax.random.key(0)
+    empty = dx.TrajectoryBuffer(STEP, 2, 4)
+    with pytest.raises(RuntimeError, match="empty TrajectoryBuffer: no env has any stored step"):
+        sample(empty, key, jnp.asarray(1.0), "replay")
+    buf = _reset(_add(empty, _steps(1), _ids(1)))
+    sample(buf, key, jnp.asarray(1.0), "replay")
+    with pytest.raises(RuntimeError, match="empty online queue"):
+        sample(buf, key, jnp.asarray(1.0), "online")
+    for bad in [jnp.nan, jnp.inf, -jnp.inf]:
+        with pytest.raises(RuntimeError, match="`distribution_power` must be finite"):
+            sample(buf, key, jnp.asarray(bad), "replay")
+    with pytest.raises(RuntimeError, match="sample_mixed`: cannot sample from an empty online"):
+        mixed(buf, key, 2, 1)
+    # A part of size zero is not sampled, so its source may be empty.
+    seqs, mask = mixed(buf, key, 2, 0)
+    assert mask.shape == (2, 2) and bool(mask[:, 0].all())
+    with pytest.raises(RuntimeError, match="sample_mixed`: cannot sample from an empty Traj"):
+        mixed(empty, key, 1, 0)
+
+
+def test_runtime_errors_outside_jit():
+    empty = dx.TrajectoryBuffer(STEP, 2, 4)
+    with pytest.raises(RuntimeError, match="empty TrajectoryBuffer"):
+        empty.sample(jax.random.key(0), 3, 2)
+    with pytest.raises(RuntimeError, match="no stored step yet"):
+        empty.peek(_ids(0))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_peek(jit):
+    peek = eqx.filter_jit(lambda b, i: b.peek(i)) if jit else (lambda b, i: b.peek(i))
+    buf = dx.TrajectoryBuffer(STEP, 3, 2)
+    buf = buf.add(_steps(2, 1.0), env_ids=_ids(0, 2))
+    buf = buf.add(_steps(1, 2.0), env_ids=_ids(2))
+    buf = buf.add(_steps(1, 3.0), env_ids=_ids(2))  # env 2 wraps: its newest step is in slot 1
+    assert peek(buf, _ids(2, 0, 2))["obs"][:, 0].tolist() == [3.0, 1.0, 3.0]
+    assert peek(buf, np.asarray(2, np.int32))["obs"].tolist() == [3.0] * 3  # a scalar id
+    with pytest.raises(RuntimeError, match="no stored step yet"):
+        peek(buf, _ids(0, 1))
+    with pytest.raises(RuntimeError, match="out of range"):
+        peek(buf, _ids(3))
+    with pytest.raises(RuntimeError, match="no stored step yet"):
+        buf.peek()  # every env, and env 1 has nothing
+    full = buf.add(_steps(1, 4.0), env_ids=_ids(1))
+    assert full.peek()["obs"][:, 0].tolist() == [1.0, 4.0, 3.0]
+
+
+def test_power_accepts_python_numbers_and_arrays():
+    buf = _add_all(dx.TrajectoryBuffer(STEP, 2, 4), _steps(2))
+    key = jax.random.key(0)
+    # Python and NumPy numbers are static arguments of filter_jit: they reach `sample` as is.
+    sample = eqx.filter_jit(lambda b, k, p: b.sample(k, 5, 3, distribution_power=p))
+    expected = sample(buf, key, jnp.asarray(2.0))
+    for power in [2, np.float64(2.0)]:
+        assert_tree_equal(sample(buf, key, power), expected)
+
+
+def test_bounded_counters_after_many_adds():
+    # 1000 adds through 3 slots: the cursor and lengths stay in [0, 3], int32, no running total.
+    add = eqx.filter_jit(lambda b, x, i: b.add(x, env_ids=i))
+    buf = dx.TrajectoryBuffer(STEP, 2, 3)
+    for i in range(1000):
+        buf = add(buf, _steps(1, float(i)), _ids(i % 2))
+    assert buf.head.tolist() == [500 % 3, 500 % 3]
+    assert buf.lengths().tolist() == [3, 3] and buf.lengths("online").tolist() == [3, 3]
+    assert buf.peek()["obs"][:, 0].tolist() == [998.0, 999.0]
+
+
+def test_sample_shapes_dtypes_and_zero_fill():
+    spec = SPEC
+    buf = dx.TrajectoryBuffer(spec, 2, 6)
+    items = random_batch(spec, 1, np.random.default_rng(0))
+    buf = _add(buf, items, _ids(1))  # one step: every sequence is 1 real + 3 zero steps
+    seqs, mask = eqx.filter_jit(lambda b, k: b.sample(k, 7, 4))(buf, jax.random.key(0))
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), seqs) == jax.tree.map(
+        lambda s: ((7, 4, *s.shape), s.dtype), spec
+    )
+    assert mask.dtype == jnp.bool_ and mask.tolist() == [[True, False, False, False]] * 7
+    for t in range(4):
+        step = jax.tree.map(lambda x: x[:, t], seqs)
+        expected = jax.tree.map(lambda x: np.repeat(x if t == 0 else np.zeros_like(x), 7, 0), items)
+        assert_tree_equal(step, expected, f"step {t}")
+
+
+# Transformations: donation in place, scan carry, vmap, one compilation per configuration.
+
+
+def _async_inputs(i, n=2, num_envs=4):
+    """Step i of a deterministic async schedule: n distinct env ids, steps labelled by i."""
+    env_ids = np.asarray([(i + 3 * j) % num_envs for j in range(n)], np.int32)
+    return _steps(n, float(i)), env_ids
+
+
+def test_donated_step_updates_in_place():
+    # The first argument (inputs) is not donated; the buffer is, and "warn" makes any donated
+    # array that XLA could not reuse a warning, which `filterwarnings = error` turns into a
+    # failure.
+    @eqx.filter_jit(donate="warn-except-first")
+    def step(inputs, buf):
+        (items, env_ids), key = inputs
+        buf = buf.add(items, env_ids=env_ids)
+        seqs, mask = buf.sample_mixed(key, 4, 2, 3)
+        return buf, seqs["obs"].sum() + mask.sum(dtype=jnp.float32)
+
+    buf = dx.TrajectoryBuffer(STEP, 4, 100)
+    pointer = buf.data["obs"].unsafe_buffer_pointer()
+    for i in range(5):
+        old = buf.data["obs"]
+        buf, _ = step((_async_inputs(i), jax.random.key(i)), buf)
+        assert old.is_deleted()
+        assert buf.data["obs"].unsafe_buffer_pointer() == pointer
+    assert buf.lengths().tolist() == [3, 2, 2, 3]  # ids (i, i + 3) mod 4 for i < 5
+
+
+def test_donate_all():
+    @eqx.filter_jit(donate="all")
+    def step(buf, items, env_ids, key):
+        buf = buf.add(items, env_ids=env_ids)
+        return buf, buf.sample(key, 8, 2, source="online")
+
+    buf = dx.TrajectoryBuffer(STEP, 4, 100)
+    pointer = buf.data["obs"].unsafe_buffer_pointer()
+    for i in range(3):
+        buf, (seqs, mask) = step(buf, *_async_inputs(i), jax.random.key(i))
+    assert buf.data["obs"].unsafe_buffer_pointer() == pointer
+    assert seqs["obs"].shape == (8, 2, 3) and mask.shape == (8, 2)
+
+
+def test_scan_carry_equals_python_loop():
+    def body(buf, xs):
+        items, env_ids, key, reset = xs
+        buf = buf.add(items, env_ids=env_ids)
+        sample = buf.sample_mixed(key, 3, 2, 2, 1.5)
+        buf = jax.lax.cond(reset, lambda b: b.reset_online_queue(), lambda b: b, buf)
+        return buf, sample
+
+    n_steps = 9
+    inputs = [_async_inputs(i) for i in range(n_steps)]
+    items = jax.tree.map(lambda *xs: jnp.stack(xs), *[x for x, _ in inputs])
+    env_ids = jnp.stack([jnp.asarray(i) for _, i in inputs])
+    keys = jax.random.split(jax.random.key(0), n_steps)
+    resets = jnp.arange(n_steps) % 4 == 3
+    buf0 = dx.TrajectoryBuffer(STEP, 4, 3)
+    scanned, samples = jax.lax.scan(body, buf0, (items, env_ids, keys, resets))
+
+    buf = buf0
+    step = eqx.filter_jit(body)
+    for t in range(n_steps):
+        buf, sample = step(buf, jax.tree.map(lambda x: x[t], (items, env_ids, keys, resets)))
+        assert_tree_equal(jax.tree.map(lambda x: x[t], samples), sample)
+    assert_tree_equal(to_numpy(scanned), to_numpy(buf))
+
+
+def test_vmap_batch_of_buffers():
+    num = 3
+
+    @eqx.filter_jit
+    @eqx.filter_vmap(in_axes=None, axis_size=num)
+    def make(proto):
+        return dx.TrajectoryBuffer(proto, 4, 5)
+
+    def sample_and_peek(buf, key):
+        return buf.sample(key, 7, 3, distribution_power=2.0), buf.peek(jnp.asarray([0, 3]))
+
+    bufs = make(STEP)
+    assert bufs.data["obs"].shape == (num, 4, 5, 3) and bufs.num_envs == 4
+    # Each buffer gets its own env ids: one vmapped add per step.
+    schedules = [[_async_inputs(i + 5 * k) for i in range(6)] for k in range(num)]
+    add = eqx.filter_jit(eqx.filter_vmap(lambda b, x, ids: b.add(x, env_ids=ids)))
+    for i in range(6):
+        items = jax.tree.map(lambda *xs: jnp.stack(xs), *[s[i][0] for s in schedules])
+        bufs = add(bufs, items, jnp.stack([jnp.asarray(s[i][1]) for s in schedules]))
+    keys = jax.random.split(jax.random.key(0), num)
+    samples = eqx.filter_jit(eqx.filter_vmap(sample_and_peek))(bufs, keys)
+
+    for k in range(num):
+        single = dx.TrajectoryBuffer(STEP, 4, 5)
+        for items, env_ids in schedules[k]:
+            single = _add(single, items, env_ids)
+        assert_tree_equal(to_numpy(jax.tree.map(lambda x: x[k], bufs)), to_numpy(single))
+        expected = eqx.filter_jit(sample_and_peek)(single, keys[k])
+        assert_tree_equal(jax.tree.map(lambda x: x[k], samples), expected)
+
+
+def test_vmap_errors():
+    bufs = eqx.filter_vmap(lambda p: dx.TrajectoryBuffer(p, 2, 3), in_axes=None, axis_size=2)(STEP)
+    keys = jax.random.split(jax.random.key(0), 2)
+    sample = eqx.filter_jit(eqx.filter_vmap(lambda b, k: b.sample(k, 3, 2)))
+    add = eqx.filter_jit(eqx.filter_vmap(lambda b, x, i: b.add(x, env_ids=i)))
+    with pytest.raises(RuntimeError, match="cannot sample from an empty TrajectoryBuffer"):
+        sample(bufs, keys)
+    items = jax.tree.map(lambda x: jnp.stack([x, x]), _steps(2))
+    # Only the second buffer gets a repeated id: the error still fires.
+    with pytest.raises(RuntimeError, match="occurs more than once"):
+        add(bufs, items, jnp.asarray([[0, 1], [1, 1]], jnp.int32))
+    # Only the first buffer stays empty: sampling still fails.
+    bufs = add(bufs, items, jnp.asarray([[0, 1], [1, 0]], jnp.int32))
+    bufs = eqx.tree_at(lambda b: b.replay_length, bufs, bufs.replay_length.at[0].set(0))
+    with pytest.raises(RuntimeError, match="cannot sample from an empty TrajectoryBuffer"):
+        sample(bufs, keys)
+
+
+def test_same_shapes_compile_once():
+    traces = []
+
+    @eqx.filter_jit
+    def step(buf, items, env_ids, key, power):
+        traces.append(None)
+        buf = buf.add(items, env_ids=env_ids)
+        return buf, buf.sample(key, 4, 2, distribution_power=power)
+
+    for _ in range(2):
+        buf = dx.TrajectoryBuffer(STEP, 4, 6)  # fresh buffers of one configuration hash equal
+        for i in range(5):
+            items, env_ids = _async_inputs(i)
+            power = jnp.asarray(i / 2, jnp.float32)  # a traced power: no recompilation
+            buf, _ = step(buf, items, env_ids, jax.random.key(i), power)
+    # One trace in all: counters keep their dtype (no weak types) across steps.
+    assert len(traces) == 1
+    step(dx.TrajectoryBuffer(STEP, 4, 7), *_async_inputs(0), jax.random.key(0), jnp.asarray(1.0))
+    assert len(traces) == 2
+
+
+def test_random_number_helpers():
+    from dejax_eqx._trajectory import _below, _unit_float
+
+    rng = np.random.default_rng(0)
+    high, low = (rng.integers(0, 2**32, 5000, dtype=np.uint64).astype(np.uint32) for _ in "hl")
+    for n in [1, 2, 3, 7, 1000, 2**16 - 1, 2**16, 2**16 + 1, 2**31 - 1]:
+        got = np.asarray(_below(jnp.asarray(high), jnp.asarray(low), jnp.full(5000, n)))
+        if n <= 2**16:  # the exact 64-bit remainder
+            want = [(int(h) * 2**32 + int(lo)) % n for h, lo in zip(high, low)]
+        else:
+            want = low.astype(np.int64) % n
+        assert got.tolist() == list(want), n
+    assert (
+        np.asarray(_below(jnp.asarray(high[:3]), jnp.asarray(low[:3]), jnp.zeros(3, int))).tolist()
+        == [0] * 3
+    )
+    # Bit for bit what jax.random.uniform makes from the same bits; never 1.
+    key = jax.random.key(3)
+    assert_tree_equal(_unit_float(jax.random.bits(key, (1000,))), jax.random.uniform(key, (1000,)))
+    top = _unit_float(jnp.asarray([2**32 - 1], jnp.uint32))
+    assert float(top[0]) == 1 - 2**-23
