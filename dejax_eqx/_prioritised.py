@@ -161,7 +161,7 @@ class PrioritisedReplay(AbstractReplay):
                     f"`{call}`: `priority` has shape {priority.shape}, expected a scalar."
                 )
             priority = priority[None]
-        return self._write(storage, slot[None], priority, None, True, call)
+        return self._write(storage, slot[None], priority, call, unique=True)
 
     def add_batch(
         self: _P,
@@ -196,10 +196,10 @@ class PrioritisedReplay(AbstractReplay):
             k = min(n, self.max_size)
             overwritten = jnp.full(n - k, self.max_size, jnp.int32)
             slots = jnp.concatenate([overwritten, self.storage._write_slots(n)])
-            return self._write(storage, slots, priorities, None, True, call)
+            return self._write(storage, slots, priorities, call, unique=True)
         mask = check_mask(mask, n, call)
         slots = self.storage._masked_slots(mask)  # max_size where not kept; kept ones distinct
-        return self._write(storage, slots, priorities, mask, True, call)
+        return self._write(storage, slots, priorities, call, mask=mask, unique=True)
 
     def set_priorities(
         self: _P, indices: Int[ArrayLike, " n"], priorities: Real[ArrayLike, " n"]
@@ -226,7 +226,7 @@ class PrioritisedReplay(AbstractReplay):
         indices = indices.astype(jnp.int32)
         # A replay never pops, so its stored slots are exactly [0, size).
         bad_index = jnp.any((indices < 0) | (indices >= self.storage.size))
-        return self._write(self.storage, indices, priorities, None, False, call, bad_index)
+        return self._write(self.storage, indices, priorities, call, bad_index=bad_index)
 
     def sample(self, key: PRNGKeyArray, batch_size: int) -> PrioritisedSample:
         """Draw `batch_size` stored items with probabilities `P(i)`, with replacement.
@@ -294,9 +294,10 @@ class PrioritisedReplay(AbstractReplay):
         storage: CircularBuffer,
         slots: Int[Array, " n"],
         priorities: Real[Array, " n"] | None,
-        mask: Bool[Array, " n"] | None,
-        unique: bool,
         call: str,
+        *,
+        mask: Bool[Array, " n"] | None = None,
+        unique: bool = False,
         bad_index: Bool[Array, ""] | None = None,
     ) -> _P:
         """The replay with `storage`, and the priorities of `slots` set (out-of-range or

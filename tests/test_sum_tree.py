@@ -52,14 +52,16 @@ def check_find(tree: dx.SumTree, model: RefSumTree, u: np.ndarray) -> None:
     values = model.values
     # The drawn leaves are never zero, whatever u is.
     assert (values[found] > 0).all(), (u, found, values[found])
-    last_positive = np.flatnonzero(values > 0)[-1]
+    positive = np.flatnonzero(values > 0)
     slack = 1e-5 * total
     for ui, i in zip(_f32(u).astype(np.float64), found):
         lo, hi = model.interval(i)
         inside = lo - slack <= ui <= hi + slack
-        # At or past the end (by rounding, or given so): the last positive leaf will do.
-        past_end = ui >= total - slack and i == last_positive
-        assert inside or past_end, (ui, i, lo, hi)
+        # At or past the end (by rounding, or given so): the last positive leaf will do; below
+        # the start, the first.
+        past_end = ui >= total - slack and i == positive[-1]
+        before_start = ui <= slack and i == positive[0]
+        assert inside or past_end or before_start, (ui, i, lo, hi)
 
 
 def adversarial_draws(model: RefSumTree) -> np.ndarray:
@@ -69,7 +71,7 @@ def adversarial_draws(model: RefSumTree) -> np.ndarray:
     edges = np.concatenate([[0.0], prefix, [total]]).astype(np.float32)
     below = np.nextafter(edges, np.float32(-np.inf))
     above = np.nextafter(edges, np.float32(np.inf))
-    u = np.concatenate([edges, np.maximum(below, 0), above, [total * np.float32(1.5)]])
+    u = np.concatenate([edges, below, above, [total * np.float32(1.5), -1.0, -np.inf]])
     # Pad to a fixed length so compiled functions are reused across examples.
     size = 4 * max(CAPACITIES) + 8
     return np.resize(u, size).astype(np.float32)
