@@ -323,3 +323,21 @@ def test_set_all_then_find(values, seed):
     tree = _set(dx.SumTree(70), np.arange(70, dtype=np.int32), values)
     np.testing.assert_allclose(float(tree.total), model.total, rtol=1e-6)
     check_find(tree, model, np.random.default_rng(seed).random(64) * model.total)
+
+
+def test_find_then_set_in_a_loop_never_copies_the_tree():
+    # Values computed from the tree itself (its total) flow into the update; the update must
+    # still happen in place, with no copy of the tree inside the loop.
+    tree = dx.SumTree(5003).set(jnp.arange(5003), jnp.ones(5003))
+
+    def run(tree, key):
+        def step(tree, key):
+            u = jax.random.uniform(key, (64,)) * tree.total
+            return tree.set(tree.find(u), u / tree.total + 0.5), None
+
+        return jax.lax.scan(step, tree, jax.random.split(key, 4))[0]
+
+    hlo = jax.jit(run, donate_argnums=0).lower(tree, jax.random.key(0)).compile().as_text()
+    shape = f"f32[{tree.nodes.shape[0]}]"
+    copies = [line for line in hlo.splitlines() if shape in line and " copy(" in line]
+    assert not copies, copies
