@@ -73,7 +73,7 @@ def _time(run, state, steps: int, repeats: int) -> dict[str, float]:
 
 
 def time_dejax_eqx(
-    capacity: int, steps: int = 200, repeats: int = 5, stratified: bool = False
+    capacity: int, steps: int = 1000, repeats: int = 5, stratified: bool = False
 ) -> dict[str, float]:
     """`dx.PrioritisedReplay`, with i.i.d. (default) or stratified sampling."""
     import dejax_eqx as dx
@@ -98,7 +98,7 @@ def time_dejax_eqx(
 
 
 def time_flashbax(
-    capacity: int, steps: int = 200, repeats: int = 5, kind: str = "flat"
+    capacity: int, steps: int = 1000, repeats: int = 5, kind: str = "flat"
 ) -> dict[str, float]:
     """flashbax's prioritised buffer on CPU (`device="cpu"`; it always samples stratified).
 
@@ -148,7 +148,7 @@ def time_flashbax(
     return _time(jax.jit(run, donate_argnums=0), state, steps, repeats)
 
 
-def time_floor(capacity: int, steps: int = 200, repeats: int = 5) -> dict[str, float]:
+def time_floor(capacity: int, steps: int = 1000, repeats: int = 5) -> dict[str, float]:
     """The floor: gather a uniformly random batch and compute its priorities; no tree."""
     import jax
     import jax.numpy as jnp
@@ -198,7 +198,7 @@ def _load() -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", nargs=3, metavar=("SYSTEM", "CAPACITY", "STEPS"))
-    parser.add_argument("--steps", type=int, default=200, help="steps per timed scan")
+    parser.add_argument("--steps", type=int, default=1000, help="steps per timed scan")
     parser.add_argument("--quick", action="store_true", help="capacity 100k, 20 steps")
     args = parser.parse_args(argv)
     if args.worker:
@@ -211,7 +211,8 @@ def main(argv: list[str] | None = None) -> None:
     big = 100_000 if args.quick else 1_000_000
     steps = 20 if args.quick else args.steps
     runs = [(name, big) for name in SYSTEMS]
-    runs += [("dejax_eqx", c) for c in (10_000, 100_000) if c < big]
+    for small in (c for c in (10_000, 100_000) if c < big):
+        runs += [("dejax_eqx", small), ("floor (no priorities)", small)]
     print(
         f"jax {jax.__version__}, backend {jax.default_backend()}, {os.cpu_count()} CPUs; "
         f"batch {BATCH_SIZE}, {steps} steps per timed scan, 5 timed scans; "
@@ -221,16 +222,18 @@ def main(argv: list[str] | None = None) -> None:
     base = results[("flashbax flat", big)]
     print(
         "| system | capacity | steps/s wall, best | wall, median | CPU time, best "
-        "| vs flashbax flat (wall / CPU) |"
+        "| vs flashbax flat (wall / CPU) | us/step above the floor (CPU) |"
     )
-    print("|---|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for (name, capacity), r in results.items():
         ratio = ""
         if capacity == big:
             ratio = f"{r['best'] / base['best']:.2f}x / {r['cpu'] / base['cpu']:.2f}x"
+        floor = results[("floor (no priorities)", capacity)]["cpu"]
+        above = f"{1e6 / r['cpu'] - 1e6 / floor:.0f}" if "floor" not in name else ""
         print(
             f"| {name} | {capacity:,} | {r['best']:,.0f} | {r['median']:,.0f} "
-            f"| {r['cpu']:,.0f} | {ratio} |"
+            f"| {r['cpu']:,.0f} | {ratio} | {above} |"
         )
     print(f"\nload average after: {_load()}")
 
