@@ -4,7 +4,13 @@ import importlib.metadata
 
 from ._abstract import AbstractReplay as AbstractReplay
 from ._clustered import ClusteredReplay as ClusteredReplay
+from ._prioritised import (
+    importance_weights as importance_weights,
+    PrioritisedReplay as PrioritisedReplay,
+    PrioritisedSample as PrioritisedSample,
+)
 from ._storage import CircularBuffer as CircularBuffer
+from ._sum_tree import SumTree as SumTree
 from ._trajectory import TrajectoryBuffer as TrajectoryBuffer
 from ._uniform import UniformReplay as UniformReplay
 

@@ -323,3 +323,54 @@ def error_if_any(x: PyTree, faults: Sequence[tuple[ArrayLike, str]]) -> PyTree:
     # argmax of booleans: the index of the first fault that holds.
     index = jnp.argmax(preds)
     return eqx.branched_error_if(x, jnp.any(preds), index, [msg for _, msg in faults])
+
+
+def check_vector(x: ArrayLike, n: int | None, call: str, name: str, *, kind: str) -> Array:
+    """A one-axis array of `n` entries (any length if `n` is None), as a JAX array.
+
+    `kind="integer"` accepts integer dtypes; `kind="real"` accepts integer and floating dtypes
+    (not bool, not complex). The dtype is not converted.
+    """
+    shape = tuple(np.shape(x))
+    dtype = jnp.result_type(x)
+    want = "(n,)" if n is None else f"({n},)"
+    if len(shape) != 1 or (n is not None and shape[0] != n):
+        raise ValueError(
+            f"`{call}`: `{name}` has shape {shape}, expected {want}: one entry per item."
+        )
+    integer = jnp.issubdtype(dtype, jnp.integer)
+    if kind == "integer" and not integer:
+        raise TypeError(f"`{call}`: `{name}` has dtype {dtype}, expected an integer dtype.")
+    if kind == "real" and not (integer or jnp.issubdtype(dtype, jnp.floating)):
+        raise TypeError(
+            f"`{call}`: `{name}` has dtype {dtype}, expected a floating or integer dtype."
+        )
+    return jnp.asarray(x)
+
+
+def check_float_dtype(dtype: Any, call: str) -> np.dtype:
+    """`dtype` as float32 or float64; float64 only when `jax_enable_x64` is on."""
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError as e:
+        raise TypeError(f"`{call}` must be a dtype, got {dtype!r}.") from e
+    if dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
+        raise ValueError(f"`{call}` must be float32 or float64, got {dtype}.")
+    if jax.dtypes.canonicalize_dtype(dtype) != dtype:
+        raise ValueError(
+            f"`{call}`: {dtype} needs 64-bit mode; enable it with "
+            "`jax.config.update('jax_enable_x64', True)` or use float32."
+        )
+    return dtype
+
+
+def check_nonnegative_float(value: Any, call: str) -> float:
+    """`value` as a finite non-negative Python float, else `ValueError`/`TypeError`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"`{call}` must be a Python float, got {value!r} of type {type(value).__name__}."
+        )
+    value = float(value)
+    if not (np.isfinite(value) and value >= 0):
+        raise ValueError(f"`{call}` must be finite and non-negative, got {value}.")
+    return value

@@ -201,7 +201,10 @@ class CircularBuffer(eqx.Module):
 
     def _gather(self, index: Int[ArrayLike, "*s"]) -> PyTree[Array]:
         """The items at logical positions `index` (any shape), unchecked."""
-        slots = self._slots(index)
+        return self._gather_slots(self._slots(index))
+
+    def _gather_slots(self, slots: Int[ArrayLike, "*s"]) -> PyTree[Array]:
+        """The items in physical `slots` (any shape), unchecked."""
         return jax.tree.map(lambda x: jnp.take(x, slots, axis=0, mode="clip"), self.data)
 
     def _stored_mask(self) -> Bool[Array, " max_size"]:
@@ -245,17 +248,27 @@ class CircularBuffer(eqx.Module):
         count = jnp.minimum(self.count, m - k) + k
         return eqx.tree_at(lambda b: (b.data, b.head, b.count), self, (data, head, count))
 
-    def _push_masked(self: _CB, items: PyTree[Array], mask: Bool[Array, " n"]) -> _CB:
-        """Push the items where `mask` holds, in order; the count is known only at run time."""
+    def _masked_slots(self, mask: Bool[Array, " n"]) -> Int[Array, " n"]:
+        """For a masked push of `n` items, the slot each item ends up in.
+
+        Items that are masked out, or overwritten within the same push, get the out-of-range
+        slot `max_size`; the surviving slots are distinct.
+        """
         m = self.max_size
         rank = jnp.cumsum(mask, dtype=jnp.int32) - 1  # position among the valid items
         total = jnp.sum(mask, dtype=jnp.int32)
         kept = jnp.minimum(total, m)
         # Like the unmasked path: of `total` pushes only the last `kept` survive; valid item r
-        # lands at offset r mod m from head. Everything else gets the out-of-range slot m and
-        # is dropped by the scatter (it would have been overwritten within this very batch).
+        # lands at offset r mod m from head.
         survives = mask & (rank >= total - kept)
-        slots = jnp.where(survives, ring_add(self.head, rank % m, m), m)
+        return jnp.where(survives, ring_add(self.head, rank % m, m), m)
+
+    def _push_masked(self: _CB, items: PyTree[Array], mask: Bool[Array, " n"]) -> _CB:
+        """Push the items where `mask` holds, in order; the count is known only at run time."""
+        m = self.max_size
+        total = jnp.sum(mask, dtype=jnp.int32)
+        kept = jnp.minimum(total, m)
+        slots = self._masked_slots(mask)  # the scatter drops the out-of-range slot m
         data = jax.tree.map(lambda x, y: x.at[slots].set(y, mode="drop"), self.data, items)
         head = ring_add(self.head, total % m, m)
         count = jnp.minimum(self.count, m - kept) + kept

@@ -1,0 +1,389 @@
+from collections.abc import Callable
+from typing import Any, NamedTuple, TypeVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray, PyTree, Real, Shaped
+
+from ._abstract import AbstractReplay
+from ._checks import (
+    as_prototype,
+    check_float_dtype,
+    check_mask,
+    check_nonnegative_float,
+    check_positive_int,
+    check_vector,
+    Prototype,
+)
+from ._storage import CircularBuffer
+from ._sum_tree import _MAX_CAPACITY, SumTree
+
+
+_P = TypeVar("_P", bound="PrioritisedReplay")
+
+
+class PrioritisedSample(NamedTuple):
+    """What `PrioritisedReplay.sample` returns: a batch and where it came from.
+
+    **Fields:**
+
+    - `items`: the sampled items, each leaf with a leading `batch` axis.
+    - `indices`: int32 array of shape `(batch,)`, the storage slot of each sampled item, to
+        pass to `PrioritisedReplay.set_priorities`.
+    - `probabilities`: array of shape `(batch,)`, the probability `P(i)` of drawing each
+        sampled item in one i.i.d. draw, to pass to `importance_weights`.
+    """
+
+    items: PyTree[Shaped[Array, "batch ..."]]
+    indices: Int[Array, " batch"]
+    probabilities: Float[Array, " batch"]
+
+
+class PrioritisedReplay(AbstractReplay):
+    """Prioritised experience replay (Schaul et al., 2016) on a sum tree.
+
+    A FIFO replay of fixed capacity where each stored item `i` has a priority `p_i >= 0` and is
+    drawn with probability `P(i) = p_i ** α / Σ_k p_k ** α`, with `α = priority_exponent`.
+    Items with priority zero are never drawn (for every `α`, including 0).
+
+    - New items take the priority given to `add`/`add_batch`, or by default the largest
+        priority recorded so far (`max_priority`: at least 1.0, the starting value). An item
+        that overwrites an old one takes the new item's priority.
+    - `sample` returns a `PrioritisedSample` with the items, their storage slots (`indices`)
+        and their probabilities; after computing new priorities (e.g. absolute TD errors),
+        pass the slots back to `set_priorities`.
+    - Slots are physical: the `k`-th item added to a fresh replay (from 0) sits in slot
+        `k % max_size`, and a slot stays valid until it is overwritten.
+
+    Sampling and `set_priorities` cost O(batch · log max_size); adding costs
+    O(n · log max_size) for `n` items, besides writing them.
+
+    !!! Example
+
+        ```python
+        import equinox as eqx
+        import jax
+        import jax.numpy as jnp
+        import dejax_eqx as dx
+
+        item = {"obs": jnp.zeros(4), "reward": jnp.zeros(())}
+        buf = dx.PrioritisedReplay(item, max_size=1000, priority_exponent=0.6)
+        buf = buf.add_batch({"obs": jnp.ones((8, 4)), "reward": jnp.arange(8.0)})
+
+        @eqx.filter_jit(donate="all")
+        def step(buf, key):
+            s = buf.sample(key, batch_size=32)
+            weights = dx.importance_weights(s.probabilities, buf.size, beta=0.4)
+            td_error = s.items["reward"] - 1.0  # stands in for the learner's TD errors
+            buf = buf.set_priorities(s.indices, jnp.abs(td_error) + 1e-3)
+            return buf, jnp.mean(weights * td_error**2)
+
+        buf, loss = step(buf, jax.random.key(0))
+        ```
+    """
+
+    storage: CircularBuffer
+    tree: SumTree
+    max_priority: Float[Array, ""]
+    priority_exponent: float = eqx.field(static=True)
+    stratified: bool = eqx.field(static=True)
+
+    def __init__(
+        self,
+        prototype: Prototype,
+        max_size: int,
+        priority_exponent: float = 0.6,
+        *,
+        stratified: bool = False,
+        dtype: Any = jnp.float32,
+    ):
+        """**Arguments:**
+
+        - `prototype`: one item, a pytree of arrays (or Python scalars). Only its structure,
+            shapes and dtypes are used.
+        - `max_size`: the capacity, a positive Python int up to `2**30`.
+        - `priority_exponent`: `α >= 0`, a Python float. 0 samples the items of positive
+            priority uniformly; 1 in proportion to their priorities.
+        - `stratified`: if `True`, `sample` splits the total priority mass into `batch_size`
+            equal slices and draws one item from each: every item still has marginal
+            probability `P(i)`, but a batch covers the distribution more evenly. If `False`
+            (default), the draws are i.i.d.
+        - `dtype`: the float dtype of the priority sums, `jnp.float32` (default) or
+            `jnp.float64` (needs `jax_enable_x64`).
+        """
+        max_size = check_positive_int(
+            max_size, "PrioritisedReplay(max_size=...)", maximum=_MAX_CAPACITY
+        )
+        self.priority_exponent = check_nonnegative_float(
+            priority_exponent, "PrioritisedReplay(priority_exponent=...)"
+        )
+        if not isinstance(stratified, bool):
+            raise TypeError(
+                f"`PrioritisedReplay(stratified=...)` must be a bool, got {stratified!r}."
+            )
+        self.stratified = stratified
+        dtype = check_float_dtype(dtype, "PrioritisedReplay(dtype=...)")
+        self.storage = CircularBuffer(
+            as_prototype(prototype, "PrioritisedReplay(prototype=...)"), max_size
+        )
+        self.tree = SumTree(max_size, dtype)
+        self.max_priority = jnp.asarray(1.0, dtype)
+
+    @property
+    def max_size(self) -> int:
+        return self.storage.max_size
+
+    @property
+    def size(self) -> Int[Array, ""]:
+        return self.storage.size
+
+    def add(self: _P, item: PyTree[ArrayLike], priority: Real[ArrayLike, ""] | None = None) -> _P:
+        """Store one item, overwriting the oldest if the replay is full.
+
+        **Arguments:**
+
+        - `item`: a pytree with the prototype's structure, shapes and dtypes.
+        - `priority`: the item's priority, a finite non-negative scalar; by default
+            `max_priority`.
+
+        **Returns:** the new replay.
+
+        **Raises:** an `eqx.error_if` error if `priority` is negative, infinite or NaN.
+        """
+        call = "PrioritisedReplay.add"
+        slot = self.storage.head
+        storage = self.storage._push(item, call)
+        if priority is not None:
+            priority = jnp.asarray(priority)
+            if priority.shape != ():
+                raise ValueError(
+                    f"`{call}`: `priority` has shape {priority.shape}, expected a scalar."
+                )
+            priority = priority[None]
+        return self._write(storage, slot[None], priority, call, unique=True)
+
+    def add_batch(
+        self: _P,
+        items: PyTree[ArrayLike],
+        priorities: Real[ArrayLike, " n"] | None = None,
+        *,
+        mask: Bool[ArrayLike, " n"] | None = None,
+    ) -> _P:
+        """Store `n` items at once; the same as `n` calls to `add`, in order.
+
+        **Arguments:**
+
+        - `items`: a pytree with the prototype's structure whose leaves have one extra leading
+            axis of the same length `n`.
+        - `priorities`: optional array of shape `(n,)`, finite and non-negative. By default
+            every item gets `max_priority` (as it was before this call).
+        - `mask`: optional boolean array of shape `(n,)`: only the items where it is `True`
+            are added (their priorities alone are checked and recorded).
+
+        **Returns:** the new replay.
+
+        **Raises:** an `eqx.error_if` error if a priority is negative, infinite or NaN.
+        """
+        call = "PrioritisedReplay.add_batch"
+        storage = self.storage._push_batch(items, call, mask)  # checks the items
+        n = jax.tree.leaves(items)[0].shape[0]
+        if priorities is not None:
+            priorities = check_vector(priorities, n, call, "priorities", kind="real")
+        if mask is None:
+            # The last min(n, max_size) items survive, in distinct slots; the others get the
+            # out-of-range slot max_size (dropped), but their priorities are still recorded.
+            k = min(n, self.max_size)
+            overwritten = jnp.full(n - k, self.max_size, jnp.int32)
+            slots = jnp.concatenate([overwritten, self.storage._write_slots(n)])
+            return self._write(storage, slots, priorities, call, unique=True)
+        mask = check_mask(mask, n, call)
+        slots = self.storage._masked_slots(mask)  # max_size where not kept; kept ones distinct
+        return self._write(storage, slots, priorities, call, mask=mask, unique=True)
+
+    def set_priorities(
+        self: _P, indices: Int[ArrayLike, " n"], priorities: Real[ArrayLike, " n"]
+    ) -> _P:
+        """Set the priorities of the items in slots `indices`.
+
+        An index may occur more than once (a batch sampled with replacement often repeats an
+        item); then the last occurrence wins.
+
+        **Arguments:**
+
+        - `indices`: integer array of shape `(n,)`, storage slots of stored items, as returned
+            in `PrioritisedSample.indices`.
+        - `priorities`: array of shape `(n,)`, finite and non-negative.
+
+        **Returns:** the new replay.
+
+        **Raises:** an `eqx.error_if` error if an index is not a stored slot
+        (`0 <= index < size`) or a priority is negative, infinite or NaN.
+        """
+        call = "PrioritisedReplay.set_priorities"
+        indices = check_vector(indices, None, call, "indices", kind="integer")
+        priorities = check_vector(priorities, indices.shape[0], call, "priorities", kind="real")
+        indices = indices.astype(jnp.int32)
+        # A replay never pops, so its stored slots are exactly [0, size).
+        bad_index = jnp.any((indices < 0) | (indices >= self.storage.size))
+        return self._write(self.storage, indices, priorities, call, bad_index=bad_index)
+
+    def sample(self, key: PRNGKeyArray, batch_size: int) -> PrioritisedSample:
+        """Draw `batch_size` stored items with probabilities `P(i)`, with replacement.
+
+        **Arguments:**
+
+        - `key`: a JAX PRNG key.
+        - `batch_size`: a positive Python int (static).
+
+        **Returns:** a `PrioritisedSample` of `items`, `indices` and `probabilities`.
+
+        **Raises:** an `eqx.error_if` error if the replay is empty, if every stored priority is
+        zero, or if the total mass `Σ p ** α` overflows the tree's dtype.
+        """
+        batch_size = check_positive_int(batch_size, "PrioritisedReplay.sample(batch_size=...)")
+        total = self.tree.total
+        empty = self.storage.size == 0
+        zero = total <= 0
+        overflow = ~jnp.isfinite(total)
+        # Under vmap the message shown is that of the largest index over the batch, so a
+        # replay without a fault must give the smallest index, 0.
+        return eqx.branched_error_if(
+            self._draw(key, batch_size),
+            empty | zero | overflow,
+            jnp.where(empty, 0, jnp.where(zero, 1, jnp.where(overflow, 2, 0))),
+            [
+                "cannot sample from an empty PrioritisedReplay",
+                "cannot sample from a PrioritisedReplay whose stored priorities are all zero",
+                "cannot sample from a PrioritisedReplay: the total priority mass "
+                "sum(priority ** priority_exponent) is not finite in the tree's dtype",
+            ],
+        )
+
+    def _draw(self, key: PRNGKeyArray, batch_size: int) -> PrioritisedSample:
+        tree = self.tree
+        total = tree.total
+        dtype = total.dtype
+        uniform = jax.random.uniform(key, (batch_size,), dtype)
+        if self.stratified:
+            start = jnp.arange(batch_size, dtype=dtype)
+            targets = (start + uniform) * (total / batch_size)
+        else:
+            targets = uniform * total
+        slots = tree._find(targets)
+        positive = total > 0
+        # No NaN even on an empty replay (wrappers draw from those too, then discard the rows).
+        probabilities = jnp.where(positive, tree.get(slots) / jnp.where(positive, total, 1), 0)
+        return PrioritisedSample(self.storage._gather_slots(slots), slots, probabilities)
+
+    def update(self: _P, fn: Callable[[PyTree[Array]], PyTree[Array]]) -> _P:
+        """Apply `fn(item) -> item` to every stored item; priorities are unchanged."""
+        return eqx.tree_at(
+            lambda r: r.storage, self, self.storage._update(fn, "PrioritisedReplay.update")
+        )
+
+    def _mass(self, priorities: Float[Array, "*s"]) -> Float[Array, "*s"]:
+        """`p ** α`, with zero priority mapped to zero mass for every `α` (also `α = 0`)."""
+        alpha = self.priority_exponent
+        if alpha == 1.0:
+            return priorities
+        return jnp.where(priorities > 0, priorities**alpha, 0)
+
+    def _write(
+        self: _P,
+        storage: CircularBuffer,
+        slots: Int[Array, " n"],
+        priorities: Real[Array, " n"] | None,
+        call: str,
+        *,
+        mask: Bool[Array, " n"] | None = None,
+        unique: bool = False,
+        bad_index: Bool[Array, ""] | None = None,
+    ) -> _P:
+        """The replay with `storage`, and the priorities of `slots` set (out-of-range or
+        masked-out slots dropped; `unique`: the kept slots are distinct). `None` priorities
+        mean `max_priority`. `bad_index` flags indices the caller found invalid."""
+        bad_priority = None
+        if priorities is None:
+            mass = jnp.broadcast_to(self._mass(self.max_priority), slots.shape)
+            max_priority = self.max_priority
+        else:
+            priorities = priorities.astype(self.max_priority.dtype)
+            if mask is not None:  # masked-out items may carry anything
+                priorities = jnp.where(mask, priorities, 0)
+            bad_priority = jnp.any(~(jnp.isfinite(priorities) & (priorities >= 0)))
+            max_priority = jnp.maximum(self.max_priority, jnp.max(priorities, initial=0))
+            mass = self._mass(priorities)
+        if bad_index is not None or bad_priority is not None:
+            bad_index = jnp.asarray(False) if bad_index is None else bad_index
+            bad_priority = jnp.asarray(False) if bad_priority is None else bad_priority
+            # The check guards what the new replay is built from: the small vectors scattered
+            # into the tree, and the new maximum. Not the tree or the storage: threading those
+            # through a check could copy them.
+            slots, mass, max_priority = eqx.branched_error_if(
+                (slots, mass, max_priority),
+                bad_index | bad_priority,
+                jnp.where(bad_index, 1, 0),  # 0 also without a fault (see `sample`)
+                [
+                    f"`{call}`: priorities must be finite and non-negative",
+                    f"`{call}`: index out of range; every index must be a stored slot, "
+                    "0 <= index < size",
+                ],
+            )
+        tree = self.tree._set(slots, mass, mask=mask, unique=unique)
+        return eqx.tree_at(
+            lambda r: (r.storage, r.tree, r.max_priority), self, (storage, tree, max_priority)
+        )
+
+
+def importance_weights(
+    probabilities: Float[ArrayLike, "*batch"],
+    size: Int[ArrayLike, ""],
+    beta: Real[ArrayLike, ""],
+) -> Float[Array, "*batch"]:
+    """Importance-sampling weights that correct the bias of prioritised sampling.
+
+    `w_i = (N · P(i)) ** -β / max_j (N · P(j)) ** -β`, the maximum taken over the batch
+    (Schaul et al., 2016), so the largest weight is 1. With `β = 1` the weights fully correct
+    for sampling with probabilities `P` instead of uniformly; `β` is usually annealed from about
+    0.4 to 1 over training.
+
+    Computed in log space, so tiny probabilities neither overflow nor lose precision. (After
+    normalisation `N` cancels out; it is taken for the formula's sake.)
+
+    **Arguments:**
+
+    - `probabilities`: the probabilities `P(i)` of the sampled items, as in
+        `PrioritisedSample.probabilities` (any shape; all must be positive).
+    - `size`: `N`, the number of stored items (`replay.size`).
+    - `beta`: the exponent `β`, a scalar.
+
+    **Returns:** weights with the shape and dtype of `probabilities`, at most 1.
+
+    **Raises:** an `eqx.error_if` error if a probability is not positive (or is NaN).
+
+    !!! Example
+
+        ```python
+        import jax.numpy as jnp
+        import dejax_eqx as dx
+
+        w = dx.importance_weights(jnp.array([0.1, 0.4]), 10, beta=1.0)
+        assert jnp.allclose(w, jnp.array([1.0, 0.25]))
+        ```
+    """
+    probabilities = jnp.asarray(probabilities)
+    if not jnp.issubdtype(probabilities.dtype, jnp.floating):
+        raise TypeError(
+            "`importance_weights`: `probabilities` must have a floating dtype, got "
+            f"{probabilities.dtype}."
+        )
+    dtype = probabilities.dtype
+    log_n = jnp.log(jnp.asarray(size).astype(dtype))
+    log_w = -jnp.asarray(beta).astype(dtype) * (log_n + jnp.log(probabilities))
+    weights = jnp.exp(log_w - jnp.max(log_w))
+    return eqx.error_if(
+        weights,
+        jnp.any(~(probabilities > 0)),
+        "`importance_weights`: probabilities must be positive",
+    )
