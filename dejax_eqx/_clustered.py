@@ -4,7 +4,7 @@ from typing import Any, TypeVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Bool, Int, Integer, PRNGKeyArray, PyTree
+from jaxtyping import Array, ArrayLike, Bool, Int, Integer, PRNGKeyArray, PyTree, Real
 
 from ._abstract import AbstractReplay
 from ._checks import (
@@ -191,6 +191,47 @@ class ClusteredReplay(AbstractReplay):
         rows = jnp.arange(batch_size)
         return jax.tree.map(lambda x: x[chosen, rows], draws)
 
+    def set_priorities(
+        self: _C,
+        cluster_ids: Integer[ArrayLike, " n"],
+        indices: Int[ArrayLike, " n"],
+        priorities: Real[ArrayLike, " n"],
+    ) -> _C:
+        """Set priorities in the clusters of a prioritised inner replay.
+
+        For an inner replay with `set_priorities` (a `PrioritisedReplay`): entry `j` sets
+        the priority of slot `indices[j]` of cluster `cluster_ids[j]`. A sample's `indices`
+        are slots within the cluster each row came from, and the cluster of a row is
+        `cluster_fn` of its item: `cluster_ids = jax.vmap(replay.cluster_fn)(sample.items)`.
+        Within one cluster, the last of repeated indices wins.
+
+        **Arguments:**
+
+        - `cluster_ids`: integer array of shape `(n,)`, ids in `[0, num_clusters)`.
+        - `indices`: integer array of shape `(n,)`, stored slots of those clusters.
+        - `priorities`: array of shape `(n,)`, finite and non-negative.
+
+        **Returns:** the new replay.
+
+        **Raises:** `TypeError` at once if the inner replay has no `set_priorities`; an
+        `eqx.error_if` error if a cluster id is out of range, or for what the inner
+        `set_priorities` rejects (an index that is not a stored slot of its cluster, a
+        negative or non-finite priority).
+        """
+        call = "ClusteredReplay.set_priorities"
+        if not callable(getattr(self.clusters, "set_priorities", None)):
+            raise TypeError(
+                f"`{call}`: the inner replay, a {type(self.clusters).__name__}, has no "
+                "priorities (no `set_priorities` method)."
+            )
+        cluster_ids = jnp.asarray(cluster_ids)
+        if cluster_ids.ndim != 1 or not jnp.issubdtype(cluster_ids.dtype, jnp.integer):
+            raise TypeError(
+                f"`{call}`: `cluster_ids` must be a one-axis integer array, got "
+                f"{cluster_ids.dtype}{list(cluster_ids.shape)}."
+            )
+        return _set_priorities(self, cluster_ids, indices, priorities, call)
+
     def update(self: _C, fn: Callable[[PyTree[Array]], PyTree[Array]]) -> _C:
         check_fn_output(self._item_spec(), fn, "ClusteredReplay.update")
         clusters = eqx.filter_vmap(lambda r: r.update(fn))(self.clusters)
@@ -227,6 +268,27 @@ def _insert(replay: _C, items: PyTree[Array], mask: Bool[Array, " n"] | None, ca
         jnp.any(valid & bad),
         f"`{call}`: `cluster_fn` returned a cluster id outside [0, num_clusters) = "
         f"[0, {replay.num_clusters})",
+    )
+    return eqx.tree_at(lambda r: r.clusters, replay, clusters)
+
+
+@eqx.filter_jit
+def _set_priorities(
+    replay: _C, ids: Array, indices: ArrayLike, priorities: ArrayLike, call: str
+) -> _C:
+    bad = out_of_range(ids, replay.num_clusters)
+    ids = ids.astype(jnp.int32)  # after the check: a cast could wrap an id into range
+
+    def set_in(cluster: Any, c: Int[Array, ""]) -> Any:
+        return cluster.set_priorities(indices, priorities, mask=ids == c)
+
+    clusters = eqx.filter_vmap(set_in)(
+        replay.clusters, jnp.arange(replay.num_clusters, dtype=jnp.int32)
+    )
+    clusters = _guard_counters(
+        clusters,
+        jnp.any(bad),
+        f"`{call}`: a cluster id is outside [0, num_clusters) = [0, {replay.num_clusters})",
     )
     return eqx.tree_at(lambda r: r.clusters, replay, clusters)
 

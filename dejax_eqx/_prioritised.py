@@ -14,6 +14,7 @@ from ._checks import (
     check_nonnegative_float,
     check_positive_int,
     check_vector,
+    out_of_range,
     Prototype,
 )
 from ._storage import CircularBuffer
@@ -202,7 +203,11 @@ class PrioritisedReplay(AbstractReplay):
         return self._write(storage, slots, priorities, call, mask=mask, unique=True)
 
     def set_priorities(
-        self: _P, indices: Int[ArrayLike, " n"], priorities: Real[ArrayLike, " n"]
+        self: _P,
+        indices: Int[ArrayLike, " n"],
+        priorities: Real[ArrayLike, " n"],
+        *,
+        mask: Bool[ArrayLike, " n"] | None = None,
     ) -> _P:
         """Set the priorities of the items in slots `indices`.
 
@@ -214,6 +219,8 @@ class PrioritisedReplay(AbstractReplay):
         - `indices`: integer array of shape `(n,)`, storage slots of stored items, as returned
             in `PrioritisedSample.indices`.
         - `priorities`: array of shape `(n,)`, finite and non-negative.
+        - `mask`: optional boolean array of shape `(n,)`: only the entries where it is `True`
+            are set (and checked); the others may hold anything.
 
         **Returns:** the new replay.
 
@@ -222,11 +229,17 @@ class PrioritisedReplay(AbstractReplay):
         """
         call = "PrioritisedReplay.set_priorities"
         indices = check_vector(indices, None, call, "indices", kind="integer")
-        priorities = check_vector(priorities, indices.shape[0], call, "priorities", kind="real")
+        n = indices.shape[0]
+        priorities = check_vector(priorities, n, call, "priorities", kind="real")
+        if mask is not None:
+            mask = check_mask(mask, n, call)
+        # A replay never pops, so its stored slots are exactly [0, size). First compared with
+        # max_size in the indices' own dtype (a cast could wrap an int64 index into range).
+        bad = out_of_range(indices, self.max_size)
         indices = indices.astype(jnp.int32)
-        # A replay never pops, so its stored slots are exactly [0, size).
-        bad_index = jnp.any((indices < 0) | (indices >= self.storage.size))
-        return self._write(self.storage, indices, priorities, call, bad_index=bad_index)
+        bad = bad | (indices >= self.storage.size)
+        bad_index = jnp.any(bad if mask is None else bad & mask)
+        return self._write(self.storage, indices, priorities, call, mask=mask, bad_index=bad_index)
 
     def sample(self, key: PRNGKeyArray, batch_size: int) -> PrioritisedSample:
         """Draw `batch_size` stored items with probabilities `P(i)`, with replacement.

@@ -132,6 +132,14 @@ class RefClusteredReplay:
         for c in self.clusters:
             c.update(fn)
 
+    def set_priorities(self, cluster_ids, indices, priorities) -> None:
+        """Route each entry to its cluster's (prioritised) inner model, in order."""
+        cluster_ids = [int(c) for c in cluster_ids]
+        if any(not 0 <= c < len(self.clusters) for c in cluster_ids):
+            raise ClusterIdError(cluster_ids)
+        for c, i, p in zip(cluster_ids, indices, priorities):
+            self.clusters[c].set_priorities([i], [p])
+
     def contents(self) -> list:
         """Every stored item, cluster by cluster, each cluster in its inner model's order."""
         return [item for c in self.clusters for item in c.contents()]
@@ -148,7 +156,7 @@ class RefClusteredReplay:
         """The probability of drawing each stored item (in `contents()` order) in one draw."""
         p = self.cluster_probabilities()
         return np.concatenate(
-            [p[i] * c.probabilities() for i, c in enumerate(self.clusters) if c.size > 0]
+            [p[i] * c.probabilities()[: c.size] for i, c in enumerate(self.clusters) if c.size > 0]
         )
 
 
@@ -308,6 +316,10 @@ class RefPrioritisedReplay:
     def update(self, fn: Callable) -> None:
         for i in range(self.count):
             self.items[i] = fn(self.items[i])
+
+    def contents(self) -> list:
+        """The stored items in slot order (the order of `probabilities`)."""
+        return self.items[: self.count]
 
     def masses(self) -> np.ndarray:
         """`p ** alpha` of every slot, zero where p is zero (for every alpha, also 0)."""

@@ -20,7 +20,7 @@ from .helpers import (
     tree_equal,
     unstack,
 )
-from .reference import ClusterIdError, RefClusteredReplay, RefUniformReplay
+from .reference import ClusterIdError, RefClusteredReplay, RefPrioritisedReplay, RefUniformReplay
 
 
 # Items of the state machine carry their cluster id in the int32 leaf "c" next to a payload "x"
@@ -288,6 +288,59 @@ def test_rows_of_structured_draws_stay_together():
         assert cluster.contents()[index] == label
         assert probability == np.float32(1 / cluster.size)
     _check_frequencies(drawn.items, model)
+
+
+# ---------------------------------------------------------------------------------------------
+# A PrioritisedReplay inner: draws and priority updates go through the cluster of each row.
+
+_set_priorities = eqx.filter_jit(lambda r, c, i, p: r.set_priorities(c, i, p))
+
+
+def _prioritised(power):
+    inner = dx.PrioritisedReplay(jnp.zeros((), jnp.int32), 8, priority_exponent=0.5)
+    replay, model = _labelled(
+        3, power, [5, 11, 0], inner, lambda: RefPrioritisedReplay(8, priority_exponent=0.5)
+    )
+    # Slot 2 of cluster 1 appears twice (the last entry wins); a zero priority is never drawn.
+    update = (
+        np.array([0, 0, 1, 1, 1, 1], np.int32),
+        np.array([0, 4, 2, 7, 2, 5], np.int32),
+        np.array([3.0, 0.0, 0.5, 9.0, 2.0, 0.25], np.float32),
+    )
+    model.set_priorities(*update)
+    return _set_priorities(replay, *map(jnp.asarray, update)), model
+
+
+@pytest.mark.parametrize("power", [0.0, 1.0])
+def test_prioritised_inner_samples_cluster_then_priority(power):
+    replay, model = _prioritised(power)
+    drawn = _draws(replay, jax.random.key(7))
+    assert isinstance(drawn, dx.PrioritisedSample)
+    # Each row's index and probability are those of its item within its own cluster.
+    rows = np.stack([np.asarray(x) for x in drawn], axis=1)
+    for label, index, probability in np.unique(rows, axis=0):
+        cluster = model.clusters[int(label) // 1000]
+        assert cluster.contents()[int(index)] == label
+        np.testing.assert_allclose(probability, cluster.probabilities()[int(index)], rtol=1e-5)
+    zero = [c.contents()[i] for c in model.clusters for i in range(c.size) if c.priorities[i] == 0]
+    assert len(zero) == 1 and not np.isin(drawn.items, zero).any()
+    _check_frequencies(drawn.items, model)
+
+
+def test_prioritised_inner_set_priorities_errors():
+    replay, _ = _prioritised(1.0)
+    good = jnp.asarray([1.0])
+    with pytest.raises(RuntimeError, match="cluster id is outside"):
+        _set_priorities(replay, jnp.asarray([3]), jnp.asarray([0]), good)
+    with pytest.raises(RuntimeError, match="index out of range"):  # cluster 0 holds 5 items
+        _set_priorities(replay, jnp.asarray([0]), jnp.asarray([5]), good)
+    with pytest.raises(RuntimeError, match="finite and non-negative"):
+        _set_priorities(replay, jnp.asarray([1]), jnp.asarray([0]), jnp.asarray([-1.0]))
+    with pytest.raises(TypeError, match="one-axis integer array|parameter .cluster_ids."):
+        replay.set_priorities(jnp.asarray([0.0]), jnp.asarray([0]), good)
+    uniform = dx.ClusteredReplay(_uniform(4)[0], 2, label_cluster)
+    with pytest.raises(TypeError, match="has no priorities"):
+        uniform.set_priorities(jnp.asarray([0]), jnp.asarray([0]), good)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -298,6 +298,29 @@ def test_new_items_get_the_largest_priority_recorded():
     assert replay.tree.leaves.tolist() == pytest.approx([7.0, 0.1, 1, 4, 7, 2, 0.25, 7, 7, 7])
 
 
+def test_masked_set_priorities_sets_and_checks_only_the_kept_entries():
+    replay = _labelled(4, 4, priority_exponent=1.0)
+    indices = jnp.array([1, 9, 2, 1, -1, 3])  # 9 and -1 hold nothing, but are masked out
+    priorities = jnp.array([5.0, 2.0, jnp.nan, 6.0, -1.0, 0.5])
+    mask = jnp.array([True, False, False, True, False, True])
+    masked = eqx.filter_jit(lambda r, i, p, m: r.set_priorities(i, p, mask=m))
+    replay = masked(replay, indices, priorities, mask)
+    assert replay.tree.leaves.tolist() == [1.0, 6.0, 1.0, 0.5]  # slot 1: the last kept entry
+    assert float(replay.max_priority) == 6.0  # masked-out priorities are not recorded
+    with pytest.raises(RuntimeError, match="index out of range"):
+        masked(replay, indices, priorities.at[1].set(1.0), mask.at[1].set(True))
+    with pytest.raises(RuntimeError, match="priorities must be finite"):
+        masked(replay, indices, priorities, mask.at[2].set(True))
+
+
+def test_set_priorities_checks_indices_in_their_own_dtype():
+    with jax.enable_x64(True):
+        replay = dx.PrioritisedReplay(jnp.zeros(()), 4).add_batch(jnp.zeros(3))
+        # 2**32 + 1 would wrap to the stored slot 1 in int32.
+        with pytest.raises(RuntimeError, match="index out of range"):
+            replay.set_priorities(np.array([2**32 + 1], np.int64), jnp.array([1.0]))
+
+
 def test_zero_priority_is_never_drawn_even_with_exponent_zero():
     replay = _labelled(5, 5, priority_exponent=0.0)
     replay = replay.set_priorities(jnp.arange(5), jnp.array([0.0, 1e-6, 3.0, 0.0, 100.0]))
