@@ -3,6 +3,7 @@
 import importlib.metadata
 
 from ._abstract import AbstractReplay as AbstractReplay
+from ._io import load as load, save as save
 from ._storage import CircularBuffer as CircularBuffer
 from ._uniform import UniformReplay as UniformReplay
 
