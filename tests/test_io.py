@@ -21,9 +21,10 @@ from .helpers import assert_bits_equal, random_bits_batch, SPECS
 
 
 # ---------------------------------------------------------------------------------------------
-# Buffer cases. The round-trip tests run over this list; covering another buffer type is
-# adding one entry: how to make an empty one (which is also the template for `load`) and one
-# random operation that changes its contents.
+# Buffer cases. The round-trip tests (here, and on four devices in `four_devices.py`) run over
+# this list; covering another buffer type is adding one entry: how to make an empty buffer (also
+# the template for `load`) and one random operation that changes its contents. Each case is also
+# run as a batch of independent buffers (what `eqx.filter_vmap` makes), built by stacking.
 
 
 class BufferCase(NamedTuple):
@@ -32,30 +33,21 @@ class BufferCase(NamedTuple):
     step: Callable[[Any, Any, np.random.Generator], Any]  # (buffer, spec, rng) -> buffer
 
 
-_NUM_VMAPPED = 3
 # Few shapes, so that compiled operations are reused across examples: capacities 1 and 4, batches
 # that fill part of a buffer or wrap around it, and item specs with every dtype that must survive
 # bit for bit (bfloat16, float32 with NaN payloads, bool, uint32, int8).
-_MAX_SIZES = [1, 4]
+MAX_SIZES = [1, 4]
+SPEC_NAMES = ["nested", "tuple", "namedtuple"]
 _BATCH_SIZES = [1, 6]
-_SPEC_NAMES = ["nested", "tuple", "namedtuple"]
 
 _push_batch = eqx.filter_jit(lambda b, x: b.push_batch(x))
 _add_batch = eqx.filter_jit(lambda b, x: b.add_batch(x))
 _add_batch_masked = eqx.filter_jit(lambda b, x, m: b.add_batch(x, mask=m))
-_vmapped_push_batch = eqx.filter_jit(eqx.filter_vmap(lambda b, x: b.push_batch(x)))
-_vmapped_add_batch = eqx.filter_jit(eqx.filter_vmap(lambda b, x: b.add_batch(x)))
 
 
-@eqx.filter_jit
-def _make_vmapped(cls, spec, max_size):
-    return eqx.filter_vmap(lambda: cls(spec, max_size), axis_size=_NUM_VMAPPED)()
-
-
-def _items(spec, rng, leading=()):
+def _items(spec, rng):
     n = int(rng.choice(_BATCH_SIZES))
-    items = random_bits_batch(spec, int(np.prod(leading, dtype=int)) * n, rng)
-    return jax.tree.map(lambda x: x.reshape(*leading, n, *x.shape[1:]), items), n
+    return random_bits_batch(spec, n, rng), n
 
 
 def _circular_step(buf, spec, rng):
@@ -69,28 +61,26 @@ def _uniform_step(buf, spec, rng):
     return _add_batch(buf, items)
 
 
-def _vmapped_circular_step(buf, spec, rng):
-    return _vmapped_push_batch(buf, _items(spec, rng, leading=(_NUM_VMAPPED,))[0])
-
-
-def _vmapped_uniform_step(buf, spec, rng):
-    return _vmapped_add_batch(buf, _items(spec, rng, leading=(_NUM_VMAPPED,))[0])
-
-
 BUFFER_CASES = [
     BufferCase("CircularBuffer", dx.CircularBuffer, _circular_step),
     BufferCase("UniformReplay", dx.UniformReplay, _uniform_step),
-    BufferCase(
-        "CircularBuffer-vmapped",
-        lambda spec, n: _make_vmapped(dx.CircularBuffer, spec, n),
-        _vmapped_circular_step,
-    ),
-    BufferCase(
-        "UniformReplay-vmapped",
-        lambda spec, n: _make_vmapped(dx.UniformReplay, spec, n),
-        _vmapped_uniform_step,
-    ),
 ]
+
+
+def stack(trees: list) -> Any:
+    """Independent buffers of one configuration as one batch, as `eqx.filter_vmap` makes it."""
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
+@eqx.filter_jit
+def make_batch(make, spec, max_size, copies):
+    return eqx.filter_vmap(lambda: make(spec, max_size), axis_size=copies)()
+
+
+def batch_step(case: BufferCase, batch, spec, rng, copies: int):
+    """`case.step` applied to every buffer of a batch, each with its own random items."""
+    rows = [jax.tree.map(lambda x: x[i], batch) for i in range(copies)]
+    return stack([case.step(row, spec, rng) for row in rows])
 
 
 @pytest.fixture(scope="module")
@@ -98,36 +88,44 @@ def save_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("io")
 
 
-def _on_default_device(tree):
-    for leaf in jax.tree.leaves(tree):
-        if isinstance(leaf, jax.Array):
-            assert leaf.devices() == {jax.devices()[0]}
+def on_default_device(tree) -> bool:
+    return all(
+        leaf.sharding.device_set == {jax.devices()[0]}
+        for leaf in jax.tree.leaves(tree)
+        if isinstance(leaf, jax.Array)
+    )
 
 
+@pytest.mark.parametrize("copies", [None, 3], ids=["single", "batch-of-3"])
 @pytest.mark.parametrize("case", BUFFER_CASES, ids=lambda c: c.name)
 @given(
-    spec_name=st.sampled_from(_SPEC_NAMES),
-    max_size=st.sampled_from(_MAX_SIZES),
+    spec_name=st.sampled_from(SPEC_NAMES),
+    max_size=st.sampled_from(MAX_SIZES),
     num_steps=st.integers(0, 4),
     seed=st.integers(0, 2**32 - 1),
 )
-def test_round_trip_is_bit_exact(save_dir, case, spec_name, max_size, num_steps, seed):
+def test_round_trip_is_bit_exact(save_dir, case, copies, spec_name, max_size, num_steps, seed):
     spec = SPECS[spec_name]
     rng = np.random.default_rng(seed)
-    buf = case.make(spec, max_size)
+    if copies is None:
+        make = lambda: case.make(spec, max_size)
+        step = lambda buf, rng: case.step(buf, spec, rng)
+    else:
+        make = lambda: make_batch(case.make, spec, max_size, copies)
+        step = lambda buf, rng: batch_step(case, buf, spec, rng, copies)
+    buf = make()
     for _ in range(num_steps):
-        buf = case.step(buf, spec, rng)
+        buf = step(buf, rng)
     path = save_dir / f"{case.name}.dx"
     dx.save(path, buf)
-    loaded = dx.load(path, like=case.make(spec, max_size))
+    loaded = dx.load(path, like=make())
     # Contents, sizes and cursors, static fields, dtypes and weak types, all bit for bit.
     assert_bits_equal(loaded, buf)
-    _on_default_device(loaded)
+    assert on_default_device(loaded)
     # The loaded buffer carries on exactly like the original.
     step_seed = int(rng.integers(2**32))
-    after = case.step(buf, spec, np.random.default_rng(step_seed))
-    after_loaded = case.step(loaded, spec, np.random.default_rng(step_seed))
-    assert_bits_equal(after_loaded, after)
+    after = step(buf, np.random.default_rng(step_seed))
+    assert_bits_equal(step(loaded, np.random.default_rng(step_seed)), after)
 
 
 @pytest.mark.parametrize("case", BUFFER_CASES, ids=lambda c: c.name)
@@ -138,6 +136,10 @@ def test_load_into_a_shape_only_template(tmp_path, case):
     dx.save(tmp_path / "buf.dx", buf)
     like = eqx.filter_eval_shape(case.make, spec, 8)
     assert_bits_equal(dx.load(tmp_path / "buf.dx", like=like), buf)
+    batch = stack([buf, buf])
+    dx.save(tmp_path / "batch.dx", batch)
+    like = eqx.filter_eval_shape(make_batch, case.make, spec, 8, 2)
+    assert_bits_equal(dx.load(tmp_path / "batch.dx", like=like), batch)
 
 
 def test_nan_payloads_survive(tmp_path):
