@@ -4,6 +4,7 @@ import hashlib
 import io
 import json
 import os
+import stat
 import struct
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -466,6 +467,26 @@ def test_failure_after_writing_leaves_previous_file(tmp_path, monkeypatch, stage
         dx.save(path, new)
     monkeypatch.undo()
     _assert_untouched(path, before, old)
+
+
+def test_save_syncs_the_file_before_the_rename_and_the_directory_after(tmp_path, monkeypatch):
+    path, _, _, new = _old_and_new(tmp_path)
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        kind = "directory" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file"
+        events.append(f"fsync {kind}")
+        real_fsync(fd)
+
+    def replace(source, destination):
+        events.append("replace")
+        real_replace(source, destination)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    dx.save(path, new)
+    assert events == ["fsync file", "replace", "fsync directory"]
 
 
 def test_successful_save_replaces_the_file(tmp_path):
