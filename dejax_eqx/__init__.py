@@ -4,6 +4,7 @@ import importlib.metadata
 
 from ._abstract import AbstractReplay as AbstractReplay
 from ._clustered import ClusteredReplay as ClusteredReplay
+from ._io import load as load, save as save
 from ._prioritised import (
     importance_weights as importance_weights,
     PrioritisedReplay as PrioritisedReplay,

@@ -3,6 +3,7 @@ from typing import Literal, TypeVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jaxtyping import (
     Array,
     ArrayLike,
@@ -223,14 +224,11 @@ class TrajectoryBuffer(eqx.Module):
                     f"batch of steps has {n} entries and num_envs is {self.num_envs}. Pass "
                     "`env_ids` to add steps for some envs only."
                 )
-            ids = jnp.arange(self.num_envs, dtype=jnp.int32)
-            data = jax.tree.map(
-                lambda x, y: x.at[ids, self.head].set(
-                    y, unique_indices=True, mode="promise_in_bounds"
-                ),
-                self.data,
-                items,
-            )
+            # Row e of every leaf takes step e at its own cursor: a vmapped one-step update,
+            # which is one scatter whose env axis is a batch axis. Sharded along that axis,
+            # every device writes its own envs' steps with no communication.
+            write = jax.vmap(lambda row, y, h: lax.dynamic_update_index_in_dim(row, y, h, 0))
+            data = jax.tree.map(lambda x, y: write(x, y, self.head), self.data, items)
             added = jnp.ones(self.num_envs, jnp.bool_)
             return self._advance(data, added)
         ids = check_ids(env_ids, f"{call}(env_ids=...)", self.num_envs, ndim=1, length=n)

@@ -133,6 +133,60 @@ def assert_frequencies(counts, probabilities, *, alpha: float = 1e-6):
     )
 
 
+def _random_bits(spec: jax.ShapeDtypeStruct, shape: tuple[int, ...], rng: np.random.Generator):
+    """Arbitrary bit patterns of `spec.dtype`; floats get NaNs with random signs and payloads."""
+    dtype = np.dtype(spec.dtype)
+    if dtype == np.bool_:
+        return rng.random(shape) < 0.5
+    raw = rng.integers(0, 256, size=(*shape, dtype.itemsize), dtype=np.uint8)
+    values = raw.view(dtype).reshape(shape)
+    if jnp.issubdtype(dtype, jnp.floating):
+        # A quarter of the entries become NaNs: all-ones exponent, random sign and a random
+        # non-zero payload (quiet and signalling alike), which must survive bit for bit.
+        info = jnp.finfo(dtype)
+        uint = np.dtype(f"uint{8 * dtype.itemsize}")
+        payload = rng.integers(1, 2**info.nmant, size=shape, endpoint=False).astype(uint)
+        sign = rng.integers(0, 2, size=shape).astype(uint) << uint.type(info.nexp + info.nmant)
+        exponent = uint.type((2**info.nexp - 1) << info.nmant)
+        nans = (sign | exponent | payload).view(dtype)
+        values = np.where(rng.random(shape) < 0.25, nans, values)
+    return values
+
+
+def random_bits_batch(spec, n: int, rng: np.random.Generator):
+    """`n` items of `spec` with arbitrary bit patterns (NaN payloads included), stacked."""
+    return jax.tree.map(lambda s: np.asarray(_random_bits(s, (n, *s.shape), rng)), spec)
+
+
+def _bits(x) -> np.ndarray:
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    return np.asarray(x)
+
+
+def assert_bits_equal(actual, expected):
+    """The same pytree (static fields included), and every leaf identical bit for bit.
+
+    Also compares dtypes (typed PRNG keys included) and weak types: a weakly typed counter
+    would cost a retrace.
+    """
+    assert jax.tree.structure(actual) == jax.tree.structure(expected), (
+        f"structure {jax.tree.structure(actual)} != {jax.tree.structure(expected)}"
+    )
+    for (path, x), y in zip(
+        jax.tree_util.tree_flatten_with_path(actual)[0], jax.tree.leaves(expected)
+    ):
+        name = jax.tree_util.keystr(path)
+        assert type(x) is type(y), f"leaf {name}: type {type(x)} != {type(y)}"
+        if not isinstance(x, jax.Array | np.ndarray):
+            assert x == y, f"leaf {name}: {x!r} != {y!r}"
+            continue
+        assert (x.shape, x.dtype) == (y.shape, y.dtype), f"leaf {name}: {x.dtype}{x.shape}"
+        assert getattr(x, "weak_type", False) == getattr(y, "weak_type", False), name
+        bx, by = _bits(x), _bits(y)
+        assert bx.tobytes() == by.tobytes(), f"leaf {name}: {bx!r} != {by!r}"
+
+
 def python_blocks(text: str) -> list[str]:
     """The ```python blocks of a markdown page or docstring, dedented, ready to `exec`."""
     import re

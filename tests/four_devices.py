@@ -1,0 +1,450 @@
+"""Checks that need several devices, run on 4 CPU devices.
+
+`test_sharding.py` runs this file in a subprocess with
+`XLA_FLAGS=--xla_force_host_platform_device_count=4`: the flag only takes effect if it is set
+before JAX starts, and the main test process already runs JAX on one device. The file name does
+not match `test_*.py`, so the main run does not collect it. By hand:
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 pytest tests/four_devices.py
+"""
+
+import importlib.util
+import os
+import re
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+import dejax_eqx as dx
+import equinox as eqx
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from .helpers import assert_bits_equal, python_blocks, SPECS
+from .test_io import batch_step, BUFFER_CASES, make_batch, MAX_SIZES, on_default_device, SPEC_NAMES
+
+
+assert jax.device_count() == 4, (
+    "tests/four_devices.py needs XLA_FLAGS=--xla_force_host_platform_device_count=4 "
+    f"(set before JAX starts); JAX has {jax.device_count()} device(s)"
+)
+
+ROOT = Path(__file__).parent.parent
+NUM_DEVICES = 4
+CAPACITY = 37  # a dimension no other array in the steps has, to recognise buffer data in HLO
+ITEMS_PER_STEP = 8
+BATCH_SIZE = 16
+
+
+def _load_example(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+anakin = _load_example("sharding_anakin")
+per_device = _load_example("sharding_shard_map")
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading compiled HLO
+
+
+class Collective(NamedTuple):
+    op: str  # "all-reduce", "all-gather", ... (an async "-start" form counts as its op)
+    shapes: tuple[str, ...]  # result shapes without layouts, e.g. ("f32[5,3]",), ("pred[]",)
+    computation: str
+    every_step: bool  # False when it sits only in a branch of a `conditional`
+
+
+_COLLECTIVE_OPS = {
+    "all-gather",
+    "all-to-all",
+    "ragged-all-to-all",
+    "collective-permute",
+    "collective-broadcast",
+    "all-reduce",
+    "reduce-scatter",
+    "send",
+    "recv",
+}
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[A-Za-z_][\w.\-]*)\s.*\{\s*$")
+_INSTRUCTION = re.compile(
+    r"^\s+(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<type>.+?)\s+(?P<op>[a-z][a-z0-9\-]*)\((?P<rest>.*)$"
+)
+_CALLEES = re.compile(r"\b(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
+
+
+def collectives(hlo: str) -> list[Collective]:
+    """Every cross-device collective of a compiled (SPMD-partitioned) HLO module.
+
+    An instruction is a collective when its opcode (the word right before its operand list,
+    after the result type) is one of `_COLLECTIVE_OPS`, possibly as an async `-start`. Names,
+    metadata and `-done` halves are not matched. A collective runs `every_step` when its
+    computation is reachable from the entry computation through calls, fusions, reductions and
+    loops, without entering a branch of a `conditional`.
+    """
+    computations: dict[str, list[tuple[str, str, str]]] = {}
+    entry = current = None
+    for line in hlo.splitlines():
+        if m := _COMPUTATION.match(line):
+            current = m["name"]
+            computations[current] = []
+            if line.startswith("ENTRY"):
+                entry = current
+        elif current is not None and (m := _INSTRUCTION.match(line)):
+            computations[current].append((m["op"], m["type"], m["rest"]))
+    assert entry is not None, "no ENTRY computation found: not an HLO module?"
+    every_step, todo = set(), [entry]
+    while todo:
+        name = todo.pop()
+        if name in every_step:
+            continue
+        every_step.add(name)
+        for op, _, rest in computations[name]:
+            if op != "conditional":
+                todo.extend(_CALLEES.findall(rest))
+    found = []
+    for name, instructions in computations.items():
+        for op, type_, _ in instructions:
+            base = op.removesuffix("-start")
+            if base in _COLLECTIVE_OPS:
+                # XLA combines small collectives: the result may be a tuple of arrays.
+                shapes = tuple(re.findall(r"[a-z]+[0-9]*\[[0-9,]*\]", type_))
+                found.append(Collective(base, shapes, name, name in every_step))
+    return found
+
+
+def _hlo_shape(x) -> str:
+    dtype = {"float32": "f32", "int32": "s32", "uint32": "u32", "bool": "pred"}[str(x.dtype)]
+    return f"{dtype}[{','.join(map(str, x.shape))}]"
+
+
+def aliased_parameters(hlo: str) -> set[int]:
+    """The parameters whose buffers the outputs reuse (`input_output_alias` of the module)."""
+    header = hlo.splitlines()[0]
+    match = re.search(r"input_output_alias=\{(.*?)\s\}", header)
+    return {int(p) for p in re.findall(r"\((\d+), \{\}, (?:may|must)-alias\)", match[1])}
+
+
+# ---------------------------------------------------------------------------------------------
+# Pattern 1: Anakin (vmapped buffers, sharded, one jitted step)
+
+
+def _host_items(t: int, rng: np.random.Generator) -> dict:
+    """Step `t`'s items: device d's are labelled d."""
+    n = ITEMS_PER_STEP
+    return {
+        "obs": rng.normal(size=(NUM_DEVICES, n, 4)).astype(np.float32),
+        "device": np.repeat(np.arange(NUM_DEVICES, dtype=np.int32)[:, None], n, 1),
+        "step": np.full((NUM_DEVICES, n), t, np.int32),
+    }
+
+
+def _row(tree, d: int):
+    """Row `d` of a batch, on the default device (an explicitly sharded array cannot be
+    indexed eagerly)."""
+    return jax.tree.map(lambda x: jnp.asarray(np.asarray(x)[d]), tree)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return anakin.make_mesh()
+
+
+@pytest.fixture(scope="module")
+def sharding(mesh):
+    return NamedSharding(mesh, P("devices"))
+
+
+def _anakin_step(buffers, items, key, sharding):
+    return anakin.step(buffers, items, key, sharding=sharding, batch_size=BATCH_SIZE)
+
+
+def _anakin_hlo(mesh, sharding) -> str:
+    buffers = anakin.make_buffers(mesh, CAPACITY)
+    items = jax.device_put(_host_items(0, np.random.default_rng(0)), sharding)
+    lowered = anakin.step.lower(
+        buffers, items, jax.random.key(0), sharding=sharding, batch_size=BATCH_SIZE
+    )
+    return lowered.compile().compiled.as_text()
+
+
+def test_anakin_step_moves_no_buffer_data_between_devices(mesh, sharding):
+    hlo = _anakin_hlo(mesh, sharding)
+    assert "num_partitions=4" in hlo
+    # Each device's program sees its own buffer only: the per-device parameter shape, and no
+    # array anywhere with all four buffers' storage.
+    assert f"f32[1,{CAPACITY},4]" in hlo
+    assert f"[{NUM_DEVICES},{CAPACITY}" not in hlo
+
+    found = collectives(hlo)
+    # No all-gather, all-to-all, collective-permute, reduce-scatter, broadcast, send or recv.
+    assert {c.op for c in found} <= {"all-reduce"}, found
+    # No collective touches an array with the capacity axis: buffer storage never moves.
+    capacity = re.compile(rf"[\[,]{CAPACITY}[\],]")
+    assert not [c for c in found if any(capacity.search(s) for s in c.shapes)], found
+    # What remains comes from `eqx.error_if` in `sample`, vmapped: on every step, one all-reduce
+    # of a single boolean ("is any buffer empty?"); and, inside the branch that runs only when
+    # that error is raised, the broadcast of the error callback's placeholder result, which
+    # has the per-device shape of the sample.
+    assert [c.shapes for c in found if c.every_step] == [("pred[]",)], found
+    sample = jax.eval_shape(
+        lambda: dx.UniformReplay(anakin.ITEM, CAPACITY).sample(jax.random.key(0), BATCH_SIZE)
+    )
+    sample_shapes = {_hlo_shape(x) for x in jax.tree.leaves(sample)}
+    sample_shapes |= {s.replace("[", "[1,").replace(",]", "]") for s in sample_shapes}
+    assert {s for c in found if not c.every_step for s in c.shapes} <= sample_shapes, found
+
+
+def test_hlo_check_catches_a_gather_of_buffer_data(mesh, sharding):
+    # The check above must be able to fail: replicating the storage makes every device gather
+    # all four buffers.
+    @eqx.filter_jit
+    def gathers(buffers):
+        return jax.sharding.reshard(buffers.storage.data["obs"], NamedSharding(mesh, P()))
+
+    hlo = gathers.lower(anakin.make_buffers(mesh, CAPACITY)).compile().compiled.as_text()
+    found = collectives(hlo)
+    assert [(c.op, c.shapes) for c in found] == [("all-gather", (f"f32[4,{CAPACITY},4]",))], found
+
+
+def test_anakin_step_is_in_place_keeps_sharding_and_matches_one_device(mesh, sharding):
+    hlo = _anakin_hlo(mesh, sharding)
+    buffers = anakin.make_buffers(mesh, CAPACITY)
+    num_leaves = len(jax.tree.leaves(buffers))
+    # The buffers are the first arguments; each of their parameters is aliased to an output.
+    assert set(range(num_leaves)) <= aliased_parameters(hlo)
+
+    pointers = [
+        [s.data.unsafe_buffer_pointer() for s in leaf.addressable_shards]
+        for leaf in jax.tree.leaves(buffers)
+    ]
+    references = [dx.UniformReplay(anakin.ITEM, CAPACITY) for _ in range(NUM_DEVICES)]
+    rng = np.random.default_rng(0)
+    key = jax.random.key(0)
+    for t in range(6):  # 48 items per buffer: wraps around the 37 slots
+        host = _host_items(t, rng)
+        key, subkey = jax.random.split(key)
+        old = buffers
+        buffers, batch = _anakin_step(buffers, jax.device_put(host, sharding), subkey, sharding)
+        assert all(leaf.is_deleted() for leaf in jax.tree.leaves(old))  # donated
+        keys = jax.random.split(subkey, NUM_DEVICES)
+        for d in range(NUM_DEVICES):
+            references[d], expected = references[d].add_and_sample(
+                _row(host, d), keys[d], BATCH_SIZE
+            )
+            assert_bits_equal(_row(batch, d), expected)
+
+    for leaf, before in zip(jax.tree.leaves(buffers), pointers):
+        # Same sharding as when made: one row per device, each on its own device...
+        assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
+        assert [s.data.shape[0] for s in leaf.addressable_shards] == [1] * NUM_DEVICES
+        # ...and updated in place: every shard still lives at the same address.
+        assert [s.data.unsafe_buffer_pointer() for s in leaf.addressable_shards] == before
+    for d in range(NUM_DEVICES):
+        assert_bits_equal(_row(buffers, d), references[d])
+    # The samples stay where they were drawn: row d on device d, from device d's items only.
+    for shard in batch["device"].addressable_shards:
+        d = shard.index[0].start
+        assert shard.device == mesh.devices[d]
+        assert (np.asarray(shard.data) == d).all()
+
+
+def test_anakin_example_runs():
+    anakin.main(num_steps=3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pattern 2: one logical buffer per device, inside `jax.shard_map`
+
+
+@pytest.fixture(scope="module")
+def plain_mesh():
+    return jax.make_mesh((NUM_DEVICES,), ("devices",))
+
+
+def test_shard_map_samples_come_from_the_same_device(plain_mesh):
+    mesh = plain_mesh
+    sharding = NamedSharding(mesh, P("devices"))
+    buffers = per_device.make_buffers(mesh, CAPACITY)
+    step = per_device.make_step(mesh, BATCH_SIZE)
+    items = jax.device_put(_host_items(0, np.random.default_rng(0)), sharding)
+    hlo = step.lower(buffers, items, jax.random.key(0)).compile().compiled.as_text()
+    assert collectives(hlo) == []  # nothing at all crosses devices
+    assert f"f32[1,{CAPACITY},4]" in hlo and f"[{NUM_DEVICES},{CAPACITY}" not in hlo
+
+    pointers = [
+        [s.data.unsafe_buffer_pointer() for s in leaf.addressable_shards]
+        for leaf in jax.tree.leaves(buffers)
+    ]
+    references = [dx.UniformReplay(per_device.ITEM, CAPACITY) for _ in range(NUM_DEVICES)]
+    rng = np.random.default_rng(1)
+    key = jax.random.key(1)
+    for t in range(6):
+        host = _host_items(t, rng)
+        key, subkey = jax.random.split(key)
+        buffers, batch = step(buffers, jax.device_put(host, sharding), subkey)
+        for d in range(NUM_DEVICES):
+            references[d], expected = references[d].add_and_sample(
+                _row(host, d), jax.random.fold_in(subkey, d), BATCH_SIZE
+            )
+            assert_bits_equal(_row(batch, d), expected)
+    for d in range(NUM_DEVICES):
+        assert_bits_equal(_row(buffers, d), references[d])
+    after = [
+        [s.data.unsafe_buffer_pointer() for s in leaf.addressable_shards]
+        for leaf in jax.tree.leaves(buffers)
+    ]
+    assert after == pointers  # in place
+    for leaf in jax.tree.leaves(buffers):
+        assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
+    # Device d's samples are device d's items, and they are on device d.
+    for shard in batch["device"].addressable_shards:
+        d = shard.index[0].start
+        assert shard.device == mesh.devices[d]
+        assert (np.asarray(shard.data) == d).all()
+
+
+def test_shard_map_empty_buffer_raises(plain_mesh):
+    mesh = plain_mesh
+    buffers = per_device.make_buffers(mesh, CAPACITY)
+    step = per_device.make_step(mesh, BATCH_SIZE)
+    nothing = {k: v[:, :0] for k, v in _host_items(0, np.random.default_rng(0)).items()}
+    nothing = jax.device_put(nothing, NamedSharding(mesh, P("devices")))
+    with pytest.raises(RuntimeError, match="cannot sample from an empty UniformReplay"):
+        jax.block_until_ready(step(buffers, nothing, jax.random.key(0)))
+
+
+def test_shard_map_example_runs():
+    per_device.main(num_steps=3)
+
+
+# ---------------------------------------------------------------------------------------------
+# TrajectoryBuffer, one logical buffer with its env axis sharded
+
+TRAJ_ENVS = 8  # two whole env streams per device
+TRAJ_ITEM = {"obs": jnp.zeros(4, jnp.float32), "reward": jnp.zeros((), jnp.float32)}
+
+
+def _traj_steps(rng: np.random.Generator) -> dict:
+    return {
+        "obs": rng.normal(size=(TRAJ_ENVS, 4)).astype(np.float32),
+        "reward": rng.normal(size=TRAJ_ENVS).astype(np.float32),
+    }
+
+
+@eqx.filter_jit(donate="all-except-first")
+def _traj_step(key, buf, steps):
+    buf = buf.add(steps)
+    return buf, buf.sample(key, BATCH_SIZE, 5)
+
+
+def test_trajectory_buffer_sharded_along_envs():
+    # An `Auto` mesh: XLA chooses how the sample's gather is partitioned.
+    mesh = jax.make_mesh((NUM_DEVICES,), ("devices",), axis_types=(AxisType.Auto,))
+    sharding = NamedSharding(mesh, P("devices"))
+    place = lambda tree: jax.tree.map(  # noqa: E731
+        lambda x: jax.device_put(x, sharding) if eqx.is_array(x) else x, tree
+    )
+    buf = place(dx.TrajectoryBuffer(TRAJ_ITEM, TRAJ_ENVS, CAPACITY))
+    reference = dx.TrajectoryBuffer(TRAJ_ITEM, TRAJ_ENVS, CAPACITY)
+    rng = np.random.default_rng(3)
+    steps = place(_traj_steps(rng))
+    hlo = _traj_step.lower(jax.random.key(0), buf, steps).compile().compiled.as_text()
+    # Each device holds 2 of the 8 env streams, and no program holds all of them.
+    assert f"f32[2,{CAPACITY},4]" in hlo and f"[{TRAJ_ENVS},{CAPACITY}" not in hlo
+    found = collectives(hlo)
+    # No collective touches an array with the max_length axis: storage never moves. What
+    # crosses devices is the sampled batch (the gather is a masked local gather on every
+    # device and an all-reduce), per-env weights and scalars; the added steps do not move.
+    capacity = re.compile(rf"[\[,]{CAPACITY}[\],]")
+    assert not [c for c in found if any(capacity.search(s) for s in c.shapes)], found
+    assert {c.op for c in found} <= {"all-reduce", "all-gather", "collective-permute"}, found
+    gathered = {s for c in found if c.op == "all-gather" for s in c.shapes}
+    assert gathered <= {f"f32[{TRAJ_ENVS}]", f"s32[{TRAJ_ENVS}]"}, found
+    num_leaves = len(jax.tree.leaves(buf))
+    assert len(aliased_parameters(hlo)) >= num_leaves  # the buffer, in place
+
+    pointers = [
+        [s.data.unsafe_buffer_pointer() for s in leaf.addressable_shards]
+        for leaf in jax.tree.leaves(buf)
+    ]
+    for t in range(45):  # 45 steps per env: wraps around the 37 slots
+        host = _traj_steps(rng) if t else jax.tree.map(np.asarray, steps)
+        key = jax.random.key(t)
+        buf, (seqs, mask) = _traj_step(key, buf, place(host))
+        reference, expected = _traj_step(key, reference, host)
+        assert_bits_equal((seqs, mask), expected)
+    for leaf, before in zip(jax.tree.leaves(buf), pointers):
+        assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
+        assert [s.data.unsafe_buffer_pointer() for s in leaf.addressable_shards] == before
+    assert_bits_equal(jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), buf), reference)
+
+
+# ---------------------------------------------------------------------------------------------
+# Saving sharded buffers, loading them onto one device
+
+
+@pytest.mark.parametrize("case", BUFFER_CASES, ids=lambda c: c.name)
+@given(
+    spec_name=st.sampled_from(SPEC_NAMES),
+    max_size=st.sampled_from(MAX_SIZES),
+    num_steps=st.integers(0, 3),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_sharded_round_trip_loads_onto_one_device(
+    tmp_path_factory, case, spec_name, max_size, num_steps, seed
+):
+    # An `Auto` mesh, so that `batch_step` can index the sharded rows eagerly.
+    mesh = jax.make_mesh((NUM_DEVICES,), ("devices",), axis_types=(AxisType.Auto,))
+    sharding = NamedSharding(mesh, P("devices"))
+    spec = SPECS[spec_name]
+    rng = np.random.default_rng(seed)
+    buffers = make_batch(case.make, spec, max_size, NUM_DEVICES)
+    for _ in range(num_steps):
+        buffers = batch_step(case, buffers, spec, rng, NUM_DEVICES)
+    buffers = jax.device_put(buffers, sharding)
+    assert all(len(leaf.sharding.device_set) == NUM_DEVICES for leaf in jax.tree.leaves(buffers))
+    path = tmp_path_factory.mktemp("sharded") / "buffers.dx"
+    dx.save(path, buffers)
+    loaded = dx.load(path, like=make_batch(case.make, spec, max_size, NUM_DEVICES))
+    assert on_default_device(loaded)  # one device, whatever layout it was saved from
+    assert_bits_equal(loaded, buffers)
+    # Placed again, it carries on like the original.
+    step_seed = int(rng.integers(2**32))
+    resharded = jax.device_put(loaded, sharding)
+    after = batch_step(case, buffers, spec, np.random.default_rng(step_seed), NUM_DEVICES)
+    again = batch_step(case, resharded, spec, np.random.default_rng(step_seed), NUM_DEVICES)
+    assert_bits_equal(again, after)
+
+
+def test_save_for_the_one_device_process(mesh, sharding):
+    # `test_sharding.py` loads this file in its own, one-device process.
+    out = os.environ.get("DEJAX_EQX_FOUR_DEVICE_OUT")
+    if out is None:
+        pytest.skip("not run by test_sharding.py")
+    buffers = anakin.make_buffers(mesh, CAPACITY)
+    rng = np.random.default_rng(2)
+    for t in range(6):
+        items = jax.device_put(_host_items(t, rng), sharding)
+        buffers, _ = _anakin_step(buffers, items, jax.random.key(t), sharding)
+    dx.save(Path(out) / "sharded.dx", buffers)
+    np.savez(Path(out) / "expected.npz", *[np.asarray(x) for x in jax.tree.leaves(buffers)])
+
+
+# ---------------------------------------------------------------------------------------------
+# The docs' snippets, with four devices
+
+
+@pytest.mark.parametrize("block", python_blocks((ROOT / "docs" / "sharding.md").read_text()))
+def test_sharding_docs_snippets_run(block):
+    exec(compile(block, "docs/sharding.md", "exec"), {})
