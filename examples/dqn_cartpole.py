@@ -329,6 +329,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="budget of environment steps (default 400000)",
     )
     parser.add_argument(
+        "--target-return",
+        type=float,
+        default=Config.target_return,
+        help="the mean greedy return that counts as learnt (default 475; an episode pays at most "
+        "500)",
+    )
+    parser.add_argument(
         "--smoke",
         action="store_true",
         help="run a few hundred steps end to end without a learning threshold (for CI)",
@@ -339,7 +346,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    cfg = Config()
+    cfg = Config(target_return=args.target_return)
     max_steps = args.max_steps
     if args.smoke:
         cfg = dataclasses.replace(
