@@ -53,26 +53,32 @@ class Config:
     hidden_size: int = 128
     eval_episodes: int = 32
     target_return: float = 475.0  # CartPole-v1 caps an episode at 500
+    max_steps: int = 400_000  # budget of environment steps
 
 
 # --- The replay -----------------------------------------------------------------------------------
 #
 # The learner meets its replay in three places, and only here: how the replay is made, how a batch
-# is drawn from it (with a per-transition loss weight), and what the replay is told after the update
-# (the TD errors; a prioritised replay turns them into new priorities). Another replay is one more
-# entry in `REPLAYS`, and `--replay` offers every entry.
+# is drawn from it, with a loss weight per transition, and what the replay is told after the
+# update. Another replay is one more entry in `REPLAYS`; `--replay` offers every entry. A
+# prioritised replay would return importance weights (annealed with `progress`) and the sampled
+# slots from `sample`, and set those slots' priorities from the TD errors in `feedback`.
 
 
 @dataclasses.dataclass(frozen=True)
 class ReplayKind:
     make: Callable[[PyTree, Config], dx.AbstractReplay]
-    # (replay, key, batch_size) -> (transitions, loss weights [batch], whatever `feedback` needs)
-    sample: Callable[[Any, PRNGKeyArray, int], tuple[PyTree, Float[Array, " batch"], Any]]
+    # (replay, key, batch_size, progress in [0, 1] of the step budget)
+    #     -> (transitions, loss weights [batch], whatever `feedback` needs)
+    sample: Callable[
+        [Any, PRNGKeyArray, int, Float[Array, ""]], tuple[PyTree, Float[Array, " batch"], Any]
+    ]
     # (replay, what `sample` returned third, |TD error| [batch]) -> replay
     feedback: Callable[[Any, Any, Float[Array, " batch"]], Any]
 
 
-def _uniform_sample(replay: dx.UniformReplay, key: PRNGKeyArray, batch_size: int):
+def _uniform_sample(replay: dx.UniformReplay, key: PRNGKeyArray, batch_size: int, progress):
+    del progress
     return replay.sample(key, batch_size), jnp.ones(batch_size), None
 
 
@@ -220,7 +226,8 @@ def make_train_functions(cfg: Config, replay_kind: ReplayKind, env: Any, env_par
         return loss, td_error
 
     def learn(state: TrainState, key: PRNGKeyArray) -> tuple[TrainState, Float[Array, ""]]:
-        batch, weights, aux = replay_kind.sample(state.replay, key, cfg.batch_size)
+        progress = jnp.minimum(state.env_steps / cfg.max_steps, 1.0)
+        batch, weights, aux = replay_kind.sample(state.replay, key, cfg.batch_size, progress)
         (loss, td_error), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(
             state.q_net, state.target_net, batch, weights
         )
@@ -325,8 +332,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--max-steps",
         type=int,
-        default=400_000,
-        help="budget of environment steps (default 400000)",
+        default=Config.max_steps,
+        help=f"budget of environment steps (default {Config.max_steps})",
     )
     parser.add_argument(
         "--target-return",
@@ -346,13 +353,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    cfg = Config(target_return=args.target_return)
-    max_steps = args.max_steps
+    cfg = Config(target_return=args.target_return, max_steps=args.max_steps)
     if args.smoke:
         cfg = dataclasses.replace(
-            cfg, prefill_steps=128, chunk_iterations=16, batch_size=32, eval_episodes=4
+            cfg,
+            prefill_steps=128,
+            chunk_iterations=16,
+            batch_size=32,
+            eval_episodes=4,
+            max_steps=512,
         )
-        max_steps = 512
     replay_kind = REPLAYS[args.replay]
     env, env_params = gymnax.make("CartPole-v1")
     prefill, train_chunk, evaluate = make_train_functions(cfg, replay_kind, env, env_params)
@@ -363,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     history: list[dict[str, float]] = []
     solved = False
     out_of_time = False
-    bar = tqdm(total=max_steps, unit="step", unit_scale=True, desc=f"DQN seed {args.seed}")
+    bar = tqdm(total=cfg.max_steps, unit="step", unit_scale=True, desc=f"DQN seed {args.seed}")
     bar.update(int(state.env_steps))
     while True:
         state, metrics = train_chunk(state)
@@ -387,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         if time.perf_counter() - _START > args.max_seconds:
             out_of_time = True
             break
-        if history[-1]["env_steps"] >= max_steps:
+        if history[-1]["env_steps"] >= cfg.max_steps:
             break
     bar.close()
 
@@ -416,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if solved:
         return 0
-    budget = f"{args.max_seconds:g} s" if out_of_time else f"{max_steps} environment steps"
+    budget = f"{args.max_seconds:g} s" if out_of_time else f"{cfg.max_steps} environment steps"
     print(
         f"FAILED: the mean greedy return did not reach {cfg.target_return:g} within {budget} "
         f"(best {max(h['eval_mean'] for h in history):.1f}).",
