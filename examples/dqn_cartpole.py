@@ -49,7 +49,7 @@ class Config:
     epsilon_end: float = 0.05
     epsilon_steps: int = 20_000  # environment steps over which epsilon decays linearly
     prefill_steps: int = 1_024  # random-policy environment steps before learning starts
-    chunk_iterations: int = 500  # iterations per jitted chunk (between evaluations)
+    chunk_iterations: int = 125  # iterations per jitted chunk (between evaluations)
     hidden_size: int = 128
     eval_episodes: int = 32
     target_return: float = 475.0  # CartPole-v1 caps an episode at 500
@@ -308,8 +308,15 @@ def save_curve(path: str, history: list[dict[str, float]], cfg: Config, seed: in
     ax.fill_between(
         steps, [h["eval_min"] for h in history], [h["eval_max"] for h in history], alpha=0.2
     )
-    ax.plot(steps, [h["eval_mean"] for h in history], label="greedy evaluation (mean, min-max)")
-    ax.plot(steps, [h["train_return"] for h in history], label="training episodes (epsilon-greedy)")
+    ax.plot(
+        steps, [h["eval_mean"] for h in history], ".-", label="greedy evaluation (mean, min-max)"
+    )
+    ax.plot(
+        steps,
+        [h["train_return"] for h in history],
+        ".-",
+        label="training episodes (epsilon-greedy)",
+    )
     ax.axhline(cfg.target_return, color="grey", linestyle="--", label=f"bar: {cfg.target_return:g}")
     ax.set(xlabel="environment steps", ylabel="episode return", ylim=(0, 510))
     ax.set_title(f"DQN on CartPole-v1 with dejax_eqx, seed {seed}")
