@@ -66,9 +66,12 @@ class CircularBuffer(eqx.Module):
     """
 
     data: PyTree[Shaped[Array, "max_size ..."]]
+    """The slots: each leaf of the prototype with a leading `max_size` axis, in ring order (slot
+    0 is not the oldest item once the ring has wrapped; use `get` for logical order)."""
     head: Int[Array, ""]
     count: Int[Array, ""]
     max_size: int = eqx.field(static=True)
+    """The number of slots (a static Python int)."""
 
     def __init__(self, prototype: Prototype, max_size: int):
         """**Arguments:**

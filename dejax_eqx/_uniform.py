@@ -42,6 +42,7 @@ class UniformReplay(AbstractReplay):
     """
 
     storage: CircularBuffer
+    """The stored items, as a `CircularBuffer` (its `data` holds the slots)."""
 
     def __init__(self, prototype: Prototype, max_size: int):
         """**Arguments:**
