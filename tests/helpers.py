@@ -1,5 +1,7 @@
 """Shared test helpers: item specs, random items, tree comparison, frequency tests."""
 
+import re
+import textwrap
 from typing import NamedTuple
 
 import jax
@@ -187,12 +189,22 @@ def assert_bits_equal(actual, expected):
         assert bx.tobytes() == by.tobytes(), f"leaf {name}: {bx!r} != {by!r}"
 
 
+# A fenced ```python block, possibly indented (inside an admonition or a list); the closing fence
+# has the same indentation as the opening one.
+_FENCE = re.compile(
+    r"^(?P<indent>[ \t]*)```python[ \t]*\n(?P<code>.*?)^(?P=indent)```[ \t]*$", re.M | re.S
+)
+
+
+def python_blocks_with_lines(text: str) -> list[tuple[int, str]]:
+    """`(line number of the opening fence, dedented code)` of each ```python block of a
+    markdown page or docstring."""
+    return [
+        (text.count("\n", 0, m.start()) + 1, textwrap.dedent(m.group("code")))
+        for m in _FENCE.finditer(text)
+    ]
+
+
 def python_blocks(text: str) -> list[str]:
     """The ```python blocks of a markdown page or docstring, dedented, ready to `exec`."""
-    import re
-    import textwrap
-
-    return [
-        textwrap.dedent(block)
-        for block in re.findall(r"```python\n(.*?)^\s*```", text, re.S | re.M)
-    ]
+    return [code for _, code in python_blocks_with_lines(text)]

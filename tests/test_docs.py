@@ -15,30 +15,17 @@ import pathlib
 import re
 import subprocess
 import sys
-import textwrap
 import warnings
 
 import dejax_eqx as dx
 import jax
 import pytest
 
+from .helpers import python_blocks_with_lines
+
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-
-# A fenced ```python block, possibly indented (inside an admonition or a list); the closing fence
-# has the same indentation as the opening one.
-_FENCE = re.compile(
-    r"^(?P<indent>[ \t]*)```python[ \t]*\n(?P<code>.*?)^(?P=indent)```[ \t]*$", re.M | re.S
-)
-
-
-def _python_blocks(text: str) -> list[tuple[int, str]]:
-    """`(line number of the opening fence, dedented code)` of each ```python block."""
-    return [
-        (text.count("\n", 0, m.start()) + 1, textwrap.dedent(m.group("code")))
-        for m in _FENCE.finditer(text)
-    ]
 
 
 def _public_names() -> list[str]:
@@ -75,10 +62,10 @@ def _public_docstrings() -> dict[str, str]:
 def _snippets():
     params = []
     for path in [*sorted(DOCS.glob("*.md")), ROOT / "README.md"]:
-        for line, code in _python_blocks(path.read_text()):
+        for line, code in python_blocks_with_lines(path.read_text()):
             params.append(pytest.param(code, id=f"{path.relative_to(ROOT)}:{line}"))
     for qualname, doc in sorted(_public_docstrings().items()):
-        for line, code in _python_blocks(doc):
+        for line, code in python_blocks_with_lines(doc):
             params.append(pytest.param(code, id=f"{qualname}:{line}"))
     return params
 
@@ -111,7 +98,7 @@ def test_snippet_runs(code):
 
 def test_fence_pattern_finds_indented_blocks():
     text = "x\n\n    ```python\n    a = 1\n    ```\n\n```python\nb = 2\n```\n\n```bash\nno\n```\n"
-    assert _python_blocks(text) == [(3, "a = 1\n"), (7, "b = 2\n")]
+    assert python_blocks_with_lines(text) == [(3, "a = 1\n"), (7, "b = 2\n")]
 
 
 def test_api_reference_lists_every_public_name():

@@ -17,8 +17,6 @@ import jax
 import numpy as np
 import pytest
 
-from .helpers import python_blocks
-
 
 ROOT = Path(__file__).parent.parent
 
@@ -72,11 +70,3 @@ def test_buffers_saved_from_four_devices_load_onto_one(four_devices):
         assert np.asarray(leaf).tobytes() == want.tobytes()
     sizes = eqx.filter_vmap(lambda buffer: buffer.size)(loaded)
     assert np.asarray(sizes).tolist() == [37] * 4
-
-
-@pytest.mark.parametrize("page", ["sharding.md", "save-load.md"])
-def test_docs_snippets_run_on_one_device(page):
-    blocks = python_blocks((ROOT / "docs" / page).read_text())
-    assert blocks
-    for block in blocks:
-        exec(compile(block, f"docs/{page}", "exec"), {})
