@@ -69,7 +69,7 @@ def _time(run, state, steps: int, repeats: int) -> dict[str, float]:
         state = jax.block_until_ready(run(state, jax.random.key(2 + r)))
         wall.append(steps / (time.perf_counter() - start))
         cpu.append(steps / (time.process_time() - start_cpu))
-    return {"best": max(wall), "median": statistics.median(wall), "cpu": max(cpu)}
+    return {"best": max(wall), "median": statistics.median(wall), "cpu": max(cpu), "all": wall}
 
 
 def time_dejax_eqx(

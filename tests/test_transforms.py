@@ -146,3 +146,48 @@ def test_same_shapes_compile_once():
     assert len(traces) == 1
     step(dx.UniformReplay(spec, 4), random_batch(spec, 2, rng), jax.random.key(0))
     assert len(traces) == 2
+
+
+def _every_buffer_type():
+    item = {"obs": jnp.zeros(3), "reward": jnp.zeros(())}
+    items = {"obs": jnp.ones((2, 3)), "reward": jnp.ones(2)}
+
+    def cluster_of(item):
+        return (item["reward"] > 0).astype(jnp.int32)
+
+    return [
+        (
+            dx.CircularBuffer(item, 8),
+            lambda b, k: (lambda b: (b, b.get(0)))(b.push_batch(items)),
+        ),
+        (dx.UniformReplay(item, 8), lambda b, k: b.add_and_sample(items, k, 4)),
+        (
+            dx.PrioritisedReplay(item, 8),
+            lambda b, k: (lambda b: (b, b.sample(k, 4)))(b.add_batch(items)),
+        ),
+        (
+            dx.ClusteredReplay(dx.UniformReplay(item, 4), 2, cluster_of),
+            lambda b, k: (lambda b: (b, b.sample(k, 4)))(b.add_batch(items)),
+        ),
+        (
+            dx.TrajectoryBuffer(item, 2, 8),
+            lambda b, k: (lambda b: (b, b.sample(k, 4, 2)))(b.add(items)),
+        ),
+    ]
+
+
+@pytest.mark.parametrize("index", range(5))
+def test_every_buffer_is_a_pytree_of_arrays_for_plain_jax_jit(index):
+    # The dispatch fast path of docs/jit-patterns.md: no `eqx.partition` needed for a buffer.
+    buf, step = _every_buffer_type()[index]
+    assert all(eqx.is_array(leaf) for leaf in jax.tree.leaves(buf)), type(buf).__name__
+    jitted = jax.jit(step, donate_argnums=0)
+    buf, _ = jitted(buf, jax.random.key(0))
+    pointers = [leaf.unsafe_buffer_pointer() for leaf in jax.tree.leaves(buf)]
+    for i in range(3):
+        old = buf
+        buf, _ = jitted(buf, jax.random.key(i))
+        assert all(leaf.is_deleted() for leaf in jax.tree.leaves(old))  # donated
+    # The storage (the largest leaves) stays where it was: updated in place.
+    big = max(range(len(pointers)), key=lambda i: jax.tree.leaves(buf)[i].size)
+    assert jax.tree.leaves(buf)[big].unsafe_buffer_pointer() == pointers[big]
