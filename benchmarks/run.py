@@ -48,21 +48,24 @@ HERE = Path(__file__).resolve().parent
 # Shared pieces (imported lazily: the parent process never starts JAX)
 
 
-def _items(n: int, seed: int = 0, obs_dim: int = OBS_DIM):
+def _generate(key, n: int, obs_dim: int = OBS_DIM):
+    """`n` random items, stacked (traceable)."""
     import jax
     import jax.numpy as jnp
 
-    @jax.jit
-    def make(key):
-        k1, k2 = jax.random.split(key)
-        return {
-            "obs": jax.random.normal(k1, (n, obs_dim), jnp.float32),
-            "action": jnp.arange(n, dtype=jnp.int32) % 7,
-            "reward": jax.random.uniform(k2, (n,), jnp.float32),
-            "done": jnp.arange(n) % 100 == 0,
-        }
+    k1, k2 = jax.random.split(key)
+    return {
+        "obs": jax.random.normal(k1, (n, obs_dim), jnp.float32),
+        "action": jnp.arange(n, dtype=jnp.int32) % 7,
+        "reward": jax.random.uniform(k2, (n,), jnp.float32),
+        "done": jnp.arange(n) % 100 == 0,
+    }
 
-    return make(jax.random.key(seed))
+
+def _items(n: int, seed: int = 0, obs_dim: int = OBS_DIM):
+    import jax
+
+    return jax.jit(_generate, static_argnums=(1, 2))(jax.random.key(seed), n, obs_dim)
 
 
 def _prototype(obs_dim: int = OBS_DIM):
@@ -228,6 +231,22 @@ def w2(system: str, capacity: int, steps: int, repeats: int) -> dict:
 # W3 / W4: a Python loop of donated steps (add 64, sample 256)
 
 
+def _fill(add, state):
+    """`state` filled to capacity by a donated loop of adds of 1,024 generated items: no array
+    of all the items ever exists next to the buffer (W4 measures the memory)."""
+    import jax
+
+    capacity = max(x.shape[0] for x in jax.tree.leaves(state) if x.ndim)
+    chunk = 1024
+
+    def body(i, state):
+        return add(state, _generate(jax.random.fold_in(jax.random.key(0), i), chunk))
+
+    loops = -(-capacity // chunk)
+    fill = jax.jit(lambda s: jax.lax.fori_loop(0, loops, body, s), donate_argnums=0)
+    return fill(state)
+
+
 def _w3_step(system: str, capacity: int):
     """`(state, step)`: a full buffer of `capacity` items and the jitted, donating step
     `step(key, state, items) -> (state, sample)`."""
@@ -235,14 +254,10 @@ def _w3_step(system: str, capacity: int):
     import jax
     import jax.numpy as jnp
 
-    full = _items(capacity)
-
     if system.startswith("dejax_eqx"):
         import dejax_eqx as dx
 
-        state = eqx.filter_jit(lambda b, x: b.add_batch(x), donate="all")(
-            dx.UniformReplay(_prototype(), capacity), full
-        )
+        state = _fill(lambda b, x: b.add_batch(x), dx.UniformReplay(_prototype(), capacity))
 
         def step(key, buf, items):
             buf = buf.add_batch(items)
@@ -254,7 +269,7 @@ def _w3_step(system: str, capacity: int):
             return state, jax.jit(step, donate_argnums=1)
         raise ValueError(system)
     if system.startswith("raw"):
-        state = (full, jnp.int32(0))
+        state = (_items(capacity), jnp.int32(0))
 
         def step(key, state, items):
             data, head = state
@@ -279,7 +294,7 @@ def _w3_step(system: str, capacity: int):
         buffer = fbx.make_item_buffer(
             max_length=capacity, min_length=1, sample_batch_size=256, add_batches=True
         )
-        state = jax.jit(buffer.add, donate_argnums=0)(buffer.init(_prototype()), full)
+        state = _fill(buffer.add, buffer.init(_prototype()))
 
         def step(key, state, items):
             state = buffer.add(state, items)
@@ -290,6 +305,11 @@ def _w3_step(system: str, capacity: int):
 
 
 def w3(system: str, capacity: int, steps: int, repeats: int) -> dict:
+    if system.endswith(", EQX_ON_ERROR=nan"):
+        # Equinox reads the variable when it is imported: runtime checks without a host
+        # callback (an error poisons the outputs instead of raising).
+        os.environ["EQX_ON_ERROR"] = "nan"
+        system = system.removesuffix(", EQX_ON_ERROR=nan")
     import jax
 
     state, step = _w3_step(system, capacity)
@@ -306,34 +326,53 @@ def w3(system: str, capacity: int, steps: int, repeats: int) -> dict:
     return {"values": [1e6 * s / steps for s in seconds], "unit": "us/step"}
 
 
-def _peak_rss() -> int:
-    import resource
+def _status_bytes(field: str) -> int:
+    """A `kB` field of /proc/self/status (VmRSS: now; VmHWM: the peak since reset), in bytes."""
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def _reset_peak() -> None:
+    """Reset VmHWM to the current RSS (Linux: write 5 to clear_refs)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def w4(system: str, capacity: int, steps: int, repeats: int) -> dict:
+    """Peak RSS growth over a baseline taken after JAX started and a small step ran.
+
+    `values` holds the whole growth (the buffer, the compiled programs, the runtime's
+    allocations) over the buffer's bytes; `in_steps` the growth of the peak during the steps
+    after the first (compiled) one, which is where a second copy of the buffer would show.
+    """
     import jax
 
     del repeats
-    # JAX started and a small step compiled: what any process holds before it makes a buffer.
     small, small_step = _w3_step(system, 1024)
     jax.block_until_ready(small_step(jax.random.key(0), small, _items(64)))
     del small
-    baseline = _rss()
+    _reset_peak()
+    baseline = _status_bytes("VmRSS")
     state, step = _w3_step(system, capacity)
     nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
     items = _items(64, seed=2)
-    for k in jax.random.split(jax.random.key(0), steps):
+    keys = jax.random.split(jax.random.key(0), steps)
+    state, out = step(keys[0], state, items)
+    jax.block_until_ready((state, out))
+    total_before_steps = _status_bytes("VmHWM")
+    _reset_peak()
+    first = _status_bytes("VmRSS")
+    for k in keys[1:]:
         state, out = step(k, state, items)
     jax.block_until_ready((state, out))
-    growth = _peak_rss() - baseline
-    return {"values": [growth / nbytes], "unit": "x buffer bytes", "buffer_bytes": nbytes}
+    peak = max(_status_bytes("VmHWM"), total_before_steps)
+    return {
+        "values": [(peak - baseline) / nbytes],
+        "unit": "x buffer bytes",
+        "buffer_bytes": nbytes,
+        "in_steps_bytes": _status_bytes("VmHWM") - first,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -347,7 +386,11 @@ def w5(system: str, max_length: int, steps: int, repeats: int) -> dict:
     from . import trajectory
 
     num_envs, seq, batch = 64, 32, 64
-    buf = trajectory.full_buffer(num_envs, max_length, obs_dim=OBS_DIM)
+    obs_dim = OBS_DIM
+    if system.endswith(", obs f32[16]"):  # a small item: the sampler's own cost shows
+        obs_dim = 16
+        system = system.removesuffix(", obs f32[16]")
+    buf = trajectory.full_buffer(num_envs, max_length, obs_dim=obs_dim)
     if system == "dejax_eqx":
 
         def sample(buf, key):
@@ -426,10 +469,21 @@ def plan(quick: bool) -> list[tuple[str, str, int, int, int]]:
         *[("W2", s, 100_000, 2000, r) for s in ("dejax_eqx", "raw", "flashbax", "dejax")],
         *[
             ("W3", s, 100_000, 2000, r)
-            for s in ("dejax_eqx", "dejax_eqx jax.jit", "raw", "raw filter_jit", "flashbax")
+            for s in (
+                "dejax_eqx",
+                "dejax_eqx jax.jit",
+                "dejax_eqx jax.jit, EQX_ON_ERROR=nan",
+                "raw",
+                "raw filter_jit",
+                "flashbax",
+            )
         ],
         *[("W4", s, 1_000_000, 200, 1) for s in ("dejax_eqx", "dejax_eqx jax.jit", "flashbax")],
-        *[("W5", s, m, 200, r) for m in (1024, 4096, 16384) for s in ("dejax_eqx", "raw")],
+        *[
+            ("W5", s, m, 200, r)
+            for m in (1024, 4096, 16384)
+            for s in ("dejax_eqx", "raw", "dejax_eqx, obs f32[16]", "raw, obs f32[16]")
+        ],
         ("W5", "gist", 1024, 3, 3),
         *[
             ("W6", s, c, 1000, r)
@@ -474,6 +528,18 @@ def _fmt(x: float) -> str:
 HIGHER_IS_BETTER = {"W1": True, "W2": True, "W3": False, "W4": False, "W5": False, "W6": True}
 
 
+def _reference(rows: list[dict], r: dict, ref: str) -> dict | None:
+    """The row of system `ref` at the size of `r`, in the same variant when there is one
+    (`"dejax_eqx, obs f32[16]"` is compared with `"raw, obs f32[16]"`)."""
+    variant = r["system"].partition(", ")[2]
+    names = ([f"{ref}, {variant}"] if variant else []) + [ref]
+    for name in names:
+        for b in rows:
+            if b["system"] == name and b["size"] == r["size"] and "error" not in b:
+                return b
+    return None
+
+
 def report(results: list[dict]) -> str:
     """Markdown tables: median [min, max], and ratios against raw and flashbax of the same size
     (>1 means better than the reference, whatever the unit)."""
@@ -496,15 +562,8 @@ def report(results: list[dict]) -> str:
                 continue
             ratios = []
             for ref in ("raw", "flashbax"):
-                base = next(
-                    (
-                        b
-                        for b in rows
-                        if b["system"] == ref and b["size"] == r["size"] and "error" not in b
-                    ),
-                    None,
-                )
-                if base is None or base is r or r["system"] in ("raw", "flashbax"):
+                base = _reference(rows, r, ref)
+                if base is None or base is r or r["system"].startswith(("raw", "flashbax")):
                     ratios.append("")
                     continue
                 a, b = r["median"], base["median"]
@@ -532,12 +591,12 @@ def plot(results: list[dict], path: Path) -> None:
         rows = [r for r in results if r["workload"] == workload and "error" not in r]
         labels, values = [], []
         for r in rows:
-            ref = next((b for b in rows if b["system"] == "raw" and b["size"] == r["size"]), None)
+            ref = _reference(rows, r, "raw")
             if workload == "W4":
                 labels.append(r["system"])
                 values.append(r["median"])
                 continue
-            if ref is None:
+            if ref is None or r["system"].startswith("raw"):
                 continue
             better = HIGHER_IS_BETTER[workload]
             labels.append(f"{r['system']}\n{r['size']:,}")

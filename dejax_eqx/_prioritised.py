@@ -281,9 +281,19 @@ class PrioritisedReplay(AbstractReplay):
         if self.stratified:
             start = jnp.arange(batch_size, dtype=dtype)
             targets = (start + uniform) * (total / batch_size)
+            slots = tree._find(targets)
         else:
+            # The descent is bound by cache misses in a large tree. Sorted targets visit the
+            # nodes in order, and neighbouring draws share the upper levels' cache lines (as
+            # stratified draws do): find them sorted, then put each slot back in its row.
+            # Each row's slot is exactly what an unsorted find gives it; rows stay independent.
             targets = uniform * total
-        slots = tree._find(targets)
+            order = jnp.argsort(targets)
+            slots = (
+                jnp.zeros(batch_size, jnp.int32)
+                .at[order]
+                .set(tree._find(targets[order]), unique_indices=True)
+            )
         positive = total > 0
         # No NaN even on an empty replay (wrappers draw from those too, then discard the rows).
         probabilities = jnp.where(positive, tree.get(slots) / jnp.where(positive, total, 1), 0)
