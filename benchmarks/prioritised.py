@@ -31,20 +31,9 @@ PRIORITY_EXPONENT = 0.6
 
 def _items(capacity: int):
     """`capacity` items with random observations, as stacked arrays."""
-    import jax
-    import jax.numpy as jnp
+    from .run import _items
 
-    @jax.jit
-    def make(key):
-        k1, k2 = jax.random.split(key)
-        return {
-            "obs": jax.random.normal(k1, (capacity, OBS_DIM), jnp.float32),
-            "action": jnp.arange(capacity, dtype=jnp.int32) % 7,
-            "reward": jax.random.uniform(k2, (capacity,), jnp.float32),
-            "done": jnp.arange(capacity) % 100 == 0,
-        }
-
-    return make(jax.random.key(0))
+    return _items(capacity)
 
 
 def _new_priorities(items):

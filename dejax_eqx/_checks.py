@@ -32,18 +32,24 @@ def leaf_paths(tree: PyTree) -> list[str]:
     return [keystr(path) for path, _ in tree_flatten_with_path(tree)[0]]
 
 
-def check_positive_int(value: Any, call: str, *, maximum: int = _INT32_MAX) -> int:
-    """`value` as an `int` in `[1, maximum]`, else a `ValueError`/`TypeError` quoting `call`."""
+def _check_int(value: Any, call: str, minimum: int, maximum: int, what: str) -> int:
+    """`value` as an `int` in `[minimum, maximum]`, else a `ValueError`/`TypeError` quoting
+    `call`; `what` names the lower bound ("positive", "non-negative")."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(
             f"`{call}` must be a Python int, got {value!r} of type {type(value).__name__}."
         )
     value = int(value)
-    if value < 1:
-        raise ValueError(f"`{call}` must be positive, got {value}.")
+    if value < minimum:
+        raise ValueError(f"`{call}` must be {what}, got {value}.")
     if value > maximum:
         raise ValueError(f"`{call}` must be at most {maximum}, got {value}.")
     return value
+
+
+def check_positive_int(value: Any, call: str, *, maximum: int = _INT32_MAX) -> int:
+    """`value` as an `int` in `[1, maximum]`, else a `ValueError`/`TypeError` quoting `call`."""
+    return _check_int(value, call, 1, maximum, "positive")
 
 
 def check_finite_float(value: Any, call: str) -> float:
@@ -254,16 +260,7 @@ def out_of_range(index: Array, n: int) -> Array:
 
 def check_nonnegative_int(value: Any, call: str, *, maximum: int = _INT32_MAX) -> int:
     """`value` as an `int` in `[0, maximum]`, else a `ValueError`/`TypeError` quoting `call`."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(
-            f"`{call}` must be a Python int, got {value!r} of type {type(value).__name__}."
-        )
-    value = int(value)
-    if value < 0:
-        raise ValueError(f"`{call}` must be non-negative, got {value}.")
-    if value > maximum:
-        raise ValueError(f"`{call}` must be at most {maximum}, got {value}.")
-    return value
+    return _check_int(value, call, 0, maximum, "non-negative")
 
 
 def check_choice(value: Any, choices: tuple[_S, ...], call: str) -> _S:

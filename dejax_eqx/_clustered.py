@@ -15,6 +15,7 @@ from ._checks import (
     check_items,
     check_mask,
     check_positive_int,
+    check_vector,
     is_concrete,
     out_of_range,
 )
@@ -224,12 +225,11 @@ class ClusteredReplay(AbstractReplay):
                 f"`{call}`: the inner replay, a {type(self.clusters).__name__}, has no "
                 "priorities (no `set_priorities` method)."
             )
-        cluster_ids = jnp.asarray(cluster_ids)
-        if cluster_ids.ndim != 1 or not jnp.issubdtype(cluster_ids.dtype, jnp.integer):
-            raise TypeError(
-                f"`{call}`: `cluster_ids` must be a one-axis integer array, got "
-                f"{cluster_ids.dtype}{list(cluster_ids.shape)}."
-            )
+        # All three checked here, so that a mismatch names this call and its arguments.
+        cluster_ids = check_vector(cluster_ids, None, call, "cluster_ids", kind="integer")
+        n = cluster_ids.shape[0]
+        indices = check_vector(indices, n, call, "indices", kind="integer")
+        priorities = check_vector(priorities, n, call, "priorities", kind="real")
         return _set_priorities(self, cluster_ids, indices, priorities, call)
 
     def update(self: _C, fn: Callable[[PyTree[Array]], PyTree[Array]]) -> _C:
