@@ -2,7 +2,10 @@
 
 import importlib.metadata
 
-from ._abstract import AbstractReplay as AbstractReplay
+from ._abstract import (
+    AbstractPrioritisedReplay as AbstractPrioritisedReplay,
+    AbstractReplay as AbstractReplay,
+)
 from ._clustered import ClusteredReplay as ClusteredReplay
 from ._io import load as load, save as save
 from ._prioritised import (
@@ -12,7 +15,7 @@ from ._prioritised import (
 )
 from ._storage import CircularBuffer as CircularBuffer
 from ._sum_tree import SumTree as SumTree
-from ._trajectory import TrajectoryBuffer as TrajectoryBuffer
+from ._trajectory import SequenceSample as SequenceSample, TrajectoryBuffer as TrajectoryBuffer
 from ._uniform import UniformReplay as UniformReplay
 
 

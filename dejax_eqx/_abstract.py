@@ -3,10 +3,12 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import equinox as eqx
-from jaxtyping import Array, ArrayLike, Bool, Int, PRNGKeyArray, PyTree
+import jax
+from jaxtyping import Array, ArrayLike, Bool, Int, Integer, PRNGKeyArray, PyTree, Real
 
 
 _R = TypeVar("_R", bound="AbstractReplay")
+_PR = TypeVar("_PR", bound="AbstractPrioritisedReplay")
 
 
 class AbstractReplay(eqx.Module):
@@ -30,6 +32,14 @@ class AbstractReplay(eqx.Module):
     @abc.abstractmethod
     def size(self) -> Int[Array, ""]:
         """The number of stored items, an int32 scalar array in `[0, max_size]`."""
+
+    @property
+    @abc.abstractmethod
+    def item_spec(self) -> PyTree[jax.ShapeDtypeStruct]:
+        """The structure, shapes and dtypes of one item, as `jax.ShapeDtypeStruct` leaves.
+
+        Known at trace time. Wrappers (`ClusteredReplay`) check their items against it.
+        """
 
     @abc.abstractmethod
     def add(self: _R, item: PyTree[ArrayLike]) -> _R:
@@ -81,8 +91,8 @@ class AbstractReplay(eqx.Module):
         """
 
     @abc.abstractmethod
-    def _draw(self, key: PRNGKeyArray, batch_size: int) -> Any:
-        """`sample` without its run-time checks (`batch_size` is already validated).
+    def sample_unchecked(self, key: PRNGKeyArray, batch_size: int) -> Any:
+        """`sample` without its run-time checks; `batch_size` must be a positive Python int.
 
         For wrappers such as `ClusteredReplay`, which draw from every wrapped replay at once
         (empty ones included) and keep only the rows they need. On an empty replay the result
@@ -106,3 +116,39 @@ class AbstractReplay(eqx.Module):
         """
         replay = self.add_batch(items)
         return replay, replay.sample(key, batch_size)
+
+
+class AbstractPrioritisedReplay(AbstractReplay):
+    """A replay whose items carry priorities that the learner updates after sampling.
+
+    Its `sample` returns the storage slots of the sampled items (as `indices`), and
+    `set_priorities` takes them back. `ClusteredReplay` routes priority updates to a
+    prioritised inner replay through this interface.
+    """
+
+    @abc.abstractmethod
+    def set_priorities(
+        self: _PR,
+        indices: Integer[ArrayLike, " n"],
+        priorities: Real[ArrayLike, " n"],
+        *,
+        mask: Bool[ArrayLike, " n"] | None = None,
+    ) -> _PR:
+        """Set the priorities of the items in slots `indices`.
+
+        An index may occur more than once (a batch sampled with replacement often repeats an
+        item); then the last occurrence wins.
+
+        **Arguments:**
+
+        - `indices`: integer array of shape `(n,)`, storage slots of stored items, as returned
+            by `sample`.
+        - `priorities`: array of shape `(n,)`, finite and non-negative.
+        - `mask`: optional boolean array of shape `(n,)`: only the entries where it is `True`
+            are set (and checked); the others may hold anything.
+
+        **Returns:** the new replay.
+
+        **Raises:** an `eqx.error_if` error if an index is not a stored slot
+        (`0 <= index < size`) or a priority is negative, infinite or NaN.
+        """

@@ -1,13 +1,17 @@
-"""Validation shared by every buffer.
+"""Validation shared by every buffer: the one home of each check.
 
 Static facts (pytree structure, shapes, dtypes, constructor arguments) are checked here in
-Python, so they fail at trace time with a message naming the offending leaf. Facts that depend on
-data (an empty buffer, an index out of range) go through `eqx.error_if`, so they are reported
-eagerly and under `jit` alike.
+Python, so they fail at trace time with a message naming the call and the offending leaf. Facts
+that depend on data (an empty buffer, an index out of range) are *faults*, reported by
+`check_faults`, eagerly and under `jit`, `vmap` and `shard_map` alike.
+
+A public method validates its arguments once, with these helpers, then calls unchecked
+internals that never validate again.
 """
 
 import math
 import numbers
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -17,19 +21,40 @@ import jax.core
 import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import keystr, tree_flatten_with_path
-from jaxtyping import Array, ArrayLike, PyTree
+from jaxtyping import Array, ArrayLike, Bool, Int, PyTree
 
 
-_INT32_MAX = int(np.iinfo(np.int32).max)
+INT32_MAX = int(np.iinfo(np.int32).max)
 _S = TypeVar("_S", bound=str)
 
 # What a constructor accepts as a prototype item: array-likes, or shape/dtype structs.
 Prototype = PyTree[ArrayLike | jax.ShapeDtypeStruct]
 
+# A data-dependent fault: a boolean (any shape; the fault holds where any entry is True) and the
+# message that reports it.
+Fault = tuple[ArrayLike, str]
+
+# Equinox reads this variable once, when it is imported; so do we (see `check_faults`).
+_ON_ERROR = os.environ.get("EQX_ON_ERROR", "raise")
+
+
+def plural(n: int, one: str, many: str | None = None) -> str:
+    """`"1 item"`, `"2 items"`: `n` and the noun that agrees with it."""
+    return f"{n} {one if n == 1 else (many or one + 's')}"
+
 
 def leaf_paths(tree: PyTree) -> list[str]:
     """The `keystr` path of every leaf of `tree`, in flattening order."""
     return [keystr(path) for path, _ in tree_flatten_with_path(tree)[0]]
+
+
+def is_concrete(x: Any) -> bool:
+    """Whether `x` holds a value now (not a tracer inside `jit`, `vmap`, `grad`, ...)."""
+    return not isinstance(x, jax.core.Tracer)
+
+
+# ---------------------------------------------------------------------------------------------
+# Python arguments: capacities, batch sizes, exponents, options. All static.
 
 
 def _check_int(value: Any, call: str, minimum: int, maximum: int, what: str) -> int:
@@ -47,26 +72,76 @@ def _check_int(value: Any, call: str, minimum: int, maximum: int, what: str) -> 
     return value
 
 
-def check_positive_int(value: Any, call: str, *, maximum: int = _INT32_MAX) -> int:
+def check_positive_int(value: Any, call: str, *, maximum: int = INT32_MAX) -> int:
     """`value` as an `int` in `[1, maximum]`, else a `ValueError`/`TypeError` quoting `call`."""
     return _check_int(value, call, 1, maximum, "positive")
 
 
-def check_finite_float(value: Any, call: str) -> float:
-    """`value` as a finite Python `float`, else a `ValueError`/`TypeError` quoting `call`."""
+def check_nonnegative_int(value: Any, call: str, *, maximum: int = INT32_MAX) -> int:
+    """`value` as an `int` in `[0, maximum]`, else a `ValueError`/`TypeError` quoting `call`."""
+    return _check_int(value, call, 0, maximum, "non-negative")
+
+
+def _check_float(value: Any, call: str) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(
             f"`{call}` must be a Python float, got {value!r} of type {type(value).__name__}."
         )
-    value = float(value)
+    return float(value)
+
+
+def check_finite_float(value: Any, call: str) -> float:
+    """`value` as a finite Python `float`, else a `ValueError`/`TypeError` quoting `call`."""
+    value = _check_float(value, call)
     if not math.isfinite(value):
         raise ValueError(f"`{call}` must be finite, got {value}.")
     return value
 
 
-def is_concrete(x: Any) -> bool:
-    """Whether `x` holds a value now (not a tracer inside `jit`, `vmap`, `grad`, ...)."""
-    return not isinstance(x, jax.core.Tracer)
+def check_nonnegative_float(value: Any, call: str) -> float:
+    """`value` as a finite non-negative Python float, else `ValueError`/`TypeError`."""
+    value = _check_float(value, call)
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"`{call}` must be finite and non-negative, got {value}.")
+    return value
+
+
+def check_bool(value: Any, call: str) -> bool:
+    """`value` if it is a Python bool, else a `TypeError` quoting `call`."""
+    if not isinstance(value, bool):
+        raise TypeError(f"`{call}` must be a bool, got {value!r}.")
+    return value
+
+
+def check_choice(value: Any, choices: tuple[_S, ...], call: str) -> _S:
+    """`value` if it is one of the strings `choices`, else a `ValueError` quoting `call`."""
+    if not isinstance(value, str) or value not in choices:
+        options = ", ".join(repr(c) for c in choices)
+        raise ValueError(f"`{call}` must be one of {options}, got {value!r}.")
+    return choices[choices.index(value)]
+
+
+def check_float_dtype(dtype: Any, call: str) -> np.dtype:
+    """`dtype` as float32 or float64; float64 only when `jax_enable_x64` is on."""
+    # `np.dtype(None)` is float64: refuse `None` here rather than blame 64-bit mode for it.
+    if dtype is None:
+        raise TypeError(f"`{call}` must be jnp.float32 or jnp.float64, got None.")
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError as e:
+        raise TypeError(f"`{call}` must be a dtype, got {dtype!r}.") from e
+    if dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
+        raise ValueError(f"`{call}` must be float32 or float64, got {dtype}.")
+    if jax.dtypes.canonicalize_dtype(dtype) != dtype:
+        raise ValueError(
+            f"`{call}`: {dtype} needs 64-bit mode; enable it with "
+            "`jax.config.update('jax_enable_x64', True)` or use float32."
+        )
+    return dtype
+
+
+# ---------------------------------------------------------------------------------------------
+# Items: structure, shapes and dtypes against the prototype.
 
 
 def as_prototype(prototype: Prototype, call: str) -> PyTree[jax.ShapeDtypeStruct]:
@@ -116,6 +191,33 @@ def _structure_message(call: str, what: str, expected: PyTree, actual: PyTree) -
     )
 
 
+def _python_scalar(value: bool | int | float | complex, dtype: np.dtype) -> np.ndarray | None:
+    """`value` as a 0-d array of `dtype`, or `None` if `dtype` cannot hold it.
+
+    The kind must agree (a bool only into a bool leaf, and only a bool there; no float or
+    complex into an integer leaf, no complex into a real one), and the value must survive:
+    an int exactly (no wrap, no rounding of a large int in a float leaf), a float without
+    overflowing. A float is rounded to the leaf's precision, as every JAX operation rounds a
+    Python float (`0.1` into a float32 leaf is the float32 nearest to 0.1).
+    """
+    kind = dtype.kind  # b: bool, i/u: integer, f: floating (bfloat16 too), c: complex
+    if isinstance(value, bool) != (kind == "b"):
+        return None
+    if isinstance(value, complex) and kind != "c":
+        return None
+    if kind in "iu":
+        if not isinstance(value, int):  # a float or complex, however integral
+            return None
+        info = np.iinfo(dtype)
+        return np.asarray(value, dtype) if info.min <= value <= info.max else None
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = np.asarray(value, dtype)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return out if out.item() == value else None  # exact, also for large ints
+    finite_in = np.isfinite(complex(value))
+    return out if bool(np.isfinite(out)) or not finite_in else None
+
+
 def check_items(
     spec: PyTree[jax.ShapeDtypeStruct],
     items: PyTree[ArrayLike],
@@ -130,11 +232,12 @@ def check_items(
     With `batched=True`, each leaf has one extra leading axis, of the same length `n` for all
     leaves; `n` is returned (else `None`).
 
-    Arrays must already have the stored dtype: nothing is silently cast. Python scalars (which
-    have no dtype of their own) are converted to the stored dtype.
+    Arrays must already have the stored dtype: nothing is cast. A Python scalar, which has no
+    dtype of its own, is converted when the stored dtype holds it (see `_python_scalar`).
 
-    Raises `ValueError` for a structure or shape mismatch and `TypeError` for a dtype mismatch,
-    naming the leaf path, the expected and the actual value.
+    Raises `ValueError` for a structure or shape mismatch or a Python scalar the stored dtype
+    cannot hold, and `TypeError` for a dtype mismatch, naming the leaf path, the expected and
+    the actual value.
     """
     if what is None:
         what = "batch of items" if batched else "item"
@@ -149,13 +252,14 @@ def check_items(
     for (path, leaf), want in zip(flat_items, flat_spec):
         name = keystr(path)
         if isinstance(leaf, bool | int | float | complex) and not batched:
-            try:
-                leaf = jnp.asarray(leaf, dtype=want.dtype)
-            except OverflowError as e:
+            converted = _python_scalar(leaf, np.dtype(want.dtype))
+            if converted is None:
                 raise ValueError(
-                    f"`{call}`: {what} leaf `{name}` is the Python scalar {leaf!r}, which does "
-                    f"not fit the stored dtype {want.dtype}."
-                ) from e
+                    f"`{call}`: {what} leaf `{name}` is the Python scalar {leaf!r}, which the "
+                    f"stored dtype {want.dtype} cannot hold exactly; pass an array of dtype "
+                    f"{want.dtype} to store a converted value."
+                )
+            leaf = converted
         elif not isinstance(leaf, jax.Array | np.ndarray | np.generic):
             raise TypeError(
                 f"`{call}`: {what} leaf `{name}` is a {type(leaf).__name__}, not an array."
@@ -210,22 +314,6 @@ def check_fn_output(
             )
 
 
-def spec_of(data: PyTree[Array], axes: int = 1) -> PyTree[jax.ShapeDtypeStruct]:
-    """The per-item spec of stored `data`: each leaf's shape without its first `axes` axes."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[axes:], x.dtype), data)
-
-
-def check_mask(mask: ArrayLike, n: int, call: str) -> Array:
-    """A boolean `(n,)` mask for a batch of `n` items, as a JAX array."""
-    shape = tuple(np.shape(mask))
-    dtype = jnp.result_type(mask)
-    if shape != (n,):
-        raise ValueError(f"`{call}`: `mask` has shape {shape}, expected ({n},): one flag per item.")
-    if dtype != jnp.bool_:
-        raise TypeError(f"`{call}`: `mask` has dtype {dtype}, expected bool.")
-    return jnp.asarray(mask)
-
-
 def check_index_fn(
     spec: PyTree[jax.ShapeDtypeStruct], fn: Callable[[PyTree[Array]], Any], call: str
 ) -> None:
@@ -244,130 +332,190 @@ def check_index_fn(
         )
 
 
-def out_of_range(index: Array, n: int) -> Array:
-    """Where the integer array `index` lies outside `[0, n)`, compared in its own dtype.
+def spec_of(
+    data: PyTree[Array | jax.ShapeDtypeStruct], axes: int = 1
+) -> PyTree[jax.ShapeDtypeStruct]:
+    """The per-item spec of stored `data`: each leaf's shape without its first `axes` axes.
 
-    No cast first: a cast to int32 could wrap an out-of-range int64 or uint32 value into range.
+    `data` may hold arrays or `jax.ShapeDtypeStruct`s.
     """
-    info = jnp.iinfo(index.dtype)
-    bad = jnp.zeros(index.shape, jnp.bool_)
-    if info.min < 0:
-        bad = bad | (index < 0)
-    if n <= info.max:  # else every value of the dtype is below n
-        bad = bad | (index >= jnp.asarray(n, index.dtype))
-    return bad
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[axes:], x.dtype), data)
 
 
-def check_nonnegative_int(value: Any, call: str, *, maximum: int = _INT32_MAX) -> int:
-    """`value` as an `int` in `[0, maximum]`, else a `ValueError`/`TypeError` quoting `call`."""
-    return _check_int(value, call, 0, maximum, "non-negative")
+# ---------------------------------------------------------------------------------------------
+# Other array arguments: masks, vectors, scalars, indices.
 
 
-def check_choice(value: Any, choices: tuple[_S, ...], call: str) -> _S:
-    """`value` if it is one of the strings `choices`, else a `ValueError` quoting `call`."""
-    if not isinstance(value, str) or value not in choices:
-        options = ", ".join(repr(c) for c in choices)
-        raise ValueError(f"`{call}` must be one of {options}, got {value!r}.")
-    return choices[choices.index(value)]
-
-
-def check_ids(
-    ids: ArrayLike, call: str, num: int, *, ndim: int | None = None, length: int | None = None
-) -> Array:
-    """An integer index array (env ids, cluster ids, ...) of ids in `[0, num)`, as int32.
-
-    Trace-time checks: the dtype must be integer (not bool) and, when given, the array must
-    have `ndim` axes and a leading axis of `length`. Whether the values are in range is data:
-    every value outside `[0, num)`, compared in its own dtype, becomes -1 (a plain cast could
-    wrap an int64 or uint32 id into range), for the caller's run-time check (see `count_ids`).
-    """
-    shape = tuple(np.shape(ids))
-    dtype = jnp.result_type(ids)
-    if isinstance(ids, bool) or not jnp.issubdtype(dtype, jnp.integer):
-        raise TypeError(f"`{call}` must be an integer array, got dtype {dtype}.")
-    if ndim is not None and len(shape) != ndim:
-        raise ValueError(f"`{call}` must have {ndim} axis/axes, got shape {shape}.")
-    if length is not None and shape[0] != length:
-        raise ValueError(
-            f"`{call}` has {shape[0]} entries but the batch of items has {length}: one id per item."
+def _array_like(x: Any, call: str, what: str) -> None:
+    """Refuse what is not array-like (a list, a tuple, None, ...) with a message naming `call`."""
+    if not isinstance(x, jax.Array | np.ndarray | np.generic | bool | int | float | complex):
+        raise TypeError(
+            f"`{call}`: `{what}` must be an array (a JAX or NumPy array), got a "
+            f"{type(x).__name__}; convert it with `jnp.asarray` first."
         )
-    arr = jnp.asarray(ids)
-    return jnp.where(out_of_range(arr, num), -1, arr).astype(jnp.int32)
 
 
-def count_ids(ids: Array, num: int) -> tuple[Array, Array]:
-    """How often each of `num` ids occurs in `ids`, for run-time checks with `eqx.error_if`.
+def check_mask(mask: ArrayLike, n: int, call: str) -> Array:
+    """A boolean `(n,)` mask for a batch of `n` items, as a JAX array."""
+    _array_like(mask, call, "mask")
+    shape = tuple(np.shape(mask))
+    dtype = jnp.result_type(mask)
+    if shape != (n,):
+        raise ValueError(f"`{call}`: `mask` has shape {shape}, expected ({n},): one flag per item.")
+    if dtype != jnp.bool_:
+        raise TypeError(f"`{call}`: `mask` has dtype {dtype}, expected bool.")
+    return jnp.asarray(mask)
 
-    **Returns:** `(in_range, counts)`: the per-entry flag `0 <= id < num`, and for each id in
-    `[0, num)` its number of occurrences (out-of-range entries are not counted). Then
-    `~in_range.all()` flags an id out of range and `(counts > 1).any()` a duplicate. Cost
-    O(len(ids) + num).
+
+def check_vector(x: ArrayLike, n: int | None, call: str, name: str) -> Array:
+    """A one-axis array of `n` real entries (any length if `n` is None), as a JAX array.
+
+    Integer and floating dtypes are accepted (not bool, not complex) and not converted.
+    (Index vectors go through `check_index`.)
     """
-    in_range = (ids >= 0) & (ids < num)
-    # Out-of-range entries are sent to index `num` and dropped (a negative index would wrap).
-    counts = jnp.zeros(num, jnp.int32).at[jnp.where(in_range, ids, num)].add(1, mode="drop")
-    return in_range, counts
-
-
-def error_if_any(x: PyTree, faults: Sequence[tuple[ArrayLike, str]]) -> PyTree:
-    """`eqx.error_if` for several faults at once: raise the message of the first that holds.
-
-    One conditional in the compiled program, however many faults: cheaper than chaining
-    `error_if`s, each of which passes `x` through a branch of its own. Thread the outputs of
-    the operation through `x` (see `dejax_eqx/README.md`).
-    """
-    preds = jnp.stack([jnp.asarray(pred) for pred, _ in faults])
-    # argmax of booleans: the index of the first fault that holds.
-    index = jnp.argmax(preds)
-    return eqx.branched_error_if(x, jnp.any(preds), index, [msg for _, msg in faults])
-
-
-def check_vector(x: ArrayLike, n: int | None, call: str, name: str, *, kind: str) -> Array:
-    """A one-axis array of `n` entries (any length if `n` is None), as a JAX array.
-
-    `kind="integer"` accepts integer dtypes; `kind="real"` accepts integer and floating dtypes
-    (not bool, not complex). The dtype is not converted.
-    """
+    _array_like(x, call, name)
     shape = tuple(np.shape(x))
-    dtype = jnp.result_type(x)
     want = "(n,)" if n is None else f"({n},)"
     if len(shape) != 1 or (n is not None and shape[0] != n):
         raise ValueError(
             f"`{call}`: `{name}` has shape {shape}, expected {want}: one entry per item."
         )
-    integer = jnp.issubdtype(dtype, jnp.integer)
-    if kind == "integer" and not integer:
-        raise TypeError(f"`{call}`: `{name}` has dtype {dtype}, expected an integer dtype.")
-    if kind == "real" and not (integer or jnp.issubdtype(dtype, jnp.floating)):
-        raise TypeError(
-            f"`{call}`: `{name}` has dtype {dtype}, expected a floating or integer dtype."
-        )
+    _check_real_dtype(x, call, name)
     return jnp.asarray(x)
 
 
-def check_float_dtype(dtype: Any, call: str) -> np.dtype:
-    """`dtype` as float32 or float64; float64 only when `jax_enable_x64` is on."""
-    try:
-        dtype = np.dtype(dtype)
-    except TypeError as e:
-        raise TypeError(f"`{call}` must be a dtype, got {dtype!r}.") from e
-    if dtype not in (np.dtype(np.float32), np.dtype(np.float64)):
-        raise ValueError(f"`{call}` must be float32 or float64, got {dtype}.")
-    if jax.dtypes.canonicalize_dtype(dtype) != dtype:
-        raise ValueError(
-            f"`{call}`: {dtype} needs 64-bit mode; enable it with "
-            "`jax.config.update('jax_enable_x64', True)` or use float32."
-        )
-    return dtype
+def check_real_scalar(x: ArrayLike, call: str, name: str) -> Array:
+    """A real scalar (integer or floating; not bool, not complex), as a JAX array."""
+    _array_like(x, call, name)
+    shape = tuple(np.shape(x))
+    if shape != ():
+        raise ValueError(f"`{call}`: `{name}` has shape {shape}, expected a scalar.")
+    _check_real_dtype(x, call, name)
+    return jnp.asarray(x)
 
 
-def check_nonnegative_float(value: Any, call: str) -> float:
-    """`value` as a finite non-negative Python float, else `ValueError`/`TypeError`."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+def _check_real_dtype(x: ArrayLike, call: str, name: str) -> None:
+    dtype = jnp.result_type(x)
+    if isinstance(x, bool) or not (
+        jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)
+    ):
         raise TypeError(
-            f"`{call}` must be a Python float, got {value!r} of type {type(value).__name__}."
+            f"`{call}`: `{name}` has dtype {dtype}, expected a floating or integer dtype."
         )
-    value = float(value)
-    if not (np.isfinite(value) and value >= 0):
-        raise ValueError(f"`{call}` must be finite and non-negative, got {value}.")
-    return value
+
+
+def check_index(
+    index: ArrayLike,
+    bound: int,
+    call: str,
+    *,
+    ndim: int | None = None,
+    length: int | None = None,
+) -> tuple[Int[Array, "*s"], Bool[Array, "*s"]]:
+    """The one check of every index or id that enters the library: `(int32 index, fault)`.
+
+    Trace time: `index` must be an integer array or a Python int (not a bool, not a list), of
+    `ndim` axes and a leading axis of `length` where those are given (else `TypeError` /
+    `ValueError` naming `call`).
+
+    Whether each entry lies in `[0, bound)` is data. It is decided in the index's own dtype,
+    before any cast: a cast to int32 first would wrap an int64 or uint32 value into range.
+    NumPy values are compared in NumPy, before `jnp.asarray` (which, without 64-bit mode,
+    wraps an int64 into int32 silently).
+
+    **Returns:** the index as int32, with every out-of-range entry replaced by `bound` (one past
+    the end: a scatter with `mode="drop"` drops it, a gather with `mode="fill"` fills it), and
+    the boolean `fault` of the same shape, `True` at those entries, for `check_faults`.
+    """
+    if isinstance(index, bool) or not isinstance(index, jax.Array | np.ndarray | np.generic | int):
+        got = f"the bool {index!r}" if isinstance(index, bool) else f"a {type(index).__name__}"
+        raise TypeError(
+            f"`{call}` must be an integer array (a JAX or NumPy array) or a Python int, got {got}."
+        )
+    shape = tuple(np.shape(index))
+    if not isinstance(index, int) and not jnp.issubdtype(index.dtype, jnp.integer):
+        raise TypeError(f"`{call}` must be an integer array, got dtype {index.dtype}.")
+    if ndim is not None and len(shape) != ndim:
+        raise ValueError(f"`{call}` must have {plural(ndim, 'axis', 'axes')}, got shape {shape}.")
+    if length is not None and shape[0] != length:
+        raise ValueError(
+            f"`{call}` has {shape[0]} entries, expected {length}: one per item of the batch."
+        )
+    assert 0 < bound <= INT32_MAX + 1
+    if isinstance(index, int | np.ndarray | np.generic):
+        value = np.asarray(index, object if isinstance(index, int) else None)
+        bad = (value < 0) | (value >= bound)
+        safe = np.where(bad, bound, value).astype(np.int64)
+        return jnp.asarray(safe, jnp.int32), jnp.asarray(bad, jnp.bool_)
+    info = jnp.iinfo(index.dtype)
+    bad = jnp.zeros(shape, jnp.bool_)
+    if info.min < 0:
+        bad = bad | (index < 0)
+    if bound <= info.max:  # else every value of the dtype is below the bound
+        bad = bad | (index >= jnp.asarray(bound, index.dtype))
+    return jnp.where(bad, bound, index).astype(jnp.int32), bad
+
+
+def count_ids(ids: Int[Array, " n"], num: int) -> Int[Array, " num"]:
+    """How often each id in `[0, num)` occurs in `ids` (from `check_index`: the out-of-range
+    entries, which it set to `num`, are not counted). `(counts > 1).any()` flags a repeated id.
+    O(len(ids) + num)."""
+    return jnp.zeros(num, jnp.int32).at[ids].add(1, mode="drop")
+
+
+# ---------------------------------------------------------------------------------------------
+# Data-dependent faults
+
+
+def _poison(x: Array, fault: Bool[Array, ""]) -> Array:
+    """`x`, or where `fault` holds, what `EQX_ON_ERROR=nan` makes of a faulty output."""
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        bad = jnp.full_like(x, jnp.nan)
+    elif jnp.issubdtype(x.dtype, jnp.integer):
+        bad = jnp.full_like(x, jnp.iinfo(x.dtype).max)
+    elif x.dtype == jnp.bool_:
+        bad = jnp.ones_like(x)
+    else:
+        return x
+    return jnp.where(fault, bad, x)
+
+
+def check_faults(x: PyTree, faults: Sequence[Fault]) -> PyTree:
+    """Return `x`, after raising the message of the first fault that holds.
+
+    The one runtime check of the library: every data-dependent fault of every buffer goes
+    through here, each as `(condition, message)`. A message starts with the call it is about.
+
+    - Eagerly (the conditions are concrete), the conditions are read at once and
+        `equinox.EquinoxRuntimeError` is raised from the caller's own line: its traceback
+        is the user's call, nothing else.
+    - Traced (`jit`, `vmap`, `scan`, `shard_map`), one `eqx.branched_error_if` holds them all:
+        one conditional in the compiled program however many faults there are. Under `vmap`
+        a fault in any lane raises (the message of the first fault that holds in some lane).
+        The check guards a token, which then guards `x` by one `where` per element of `x`:
+        unlike guarding `x` itself, this passes `shard_map`'s check of varying manual axes
+        (the error branch's callback output is never varying).
+
+    `x` must be what the operation's result is built from, so that the check cannot be
+    removed as dead code: small outputs (a sampled batch, counters, the indices a scatter
+    writes), never a whole storage array, which a `where` would copy.
+
+    `EQX_ON_ERROR` is honoured: `nan` poisons `x` (NaN for floats, the largest value for
+    integers, `True` for bools) where a fault holds, `off` skips the checks.
+    """
+    if not faults or _ON_ERROR == "off":
+        return x
+    preds = [jnp.any(jnp.asarray(pred)) for pred, _ in faults]
+    messages = [msg for _, msg in faults]
+    if all(is_concrete(p) for p in preds) and _ON_ERROR == "raise":
+        for pred, msg in zip(preds, messages):
+            if bool(pred):
+                raise eqx.EquinoxRuntimeError(msg)
+        return x
+    pred = jnp.stack(preds)
+    # argmax of booleans: the first fault that holds, and 0 (the smallest, which loses to any
+    # faulty lane under vmap's maximum) where none does.
+    token = eqx.branched_error_if(
+        jnp.zeros((), jnp.bool_), jnp.any(pred), jnp.argmax(pred), messages
+    )
+    return jax.tree.map(lambda leaf: _poison(leaf, token) if eqx.is_array(leaf) else leaf, x)

@@ -6,19 +6,21 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Int, Integer, PRNGKeyArray, PyTree, Real
 
-from ._abstract import AbstractReplay
+from ._abstract import AbstractPrioritisedReplay, AbstractReplay
 from ._checks import (
-    _INT32_MAX,
+    check_faults,
     check_finite_float,
     check_fn_output,
+    check_index,
     check_index_fn,
     check_items,
-    check_mask,
     check_positive_int,
     check_vector,
+    INT32_MAX,
     is_concrete,
-    out_of_range,
+    plural,
 )
+from ._storage import check_batch
 
 
 _C = TypeVar("_C", bound="ClusteredReplay")
@@ -97,6 +99,11 @@ class ClusteredReplay(AbstractReplay):
         - `distribution_power`: a finite Python float; a draw picks non-empty cluster `c` with
             probability proportional to `size_c ** distribution_power`.
         """
+        if not isinstance(inner, AbstractReplay):
+            raise TypeError(
+                "`ClusteredReplay(inner=...)` must be a replay (an `AbstractReplay` such as "
+                f"`UniformReplay` or `PrioritisedReplay`), got a {type(inner).__name__}."
+            )
         self.num_clusters = check_positive_int(num_clusters, "ClusteredReplay(num_clusters=...)")
         if not callable(cluster_fn):
             raise TypeError(
@@ -107,18 +114,18 @@ class ClusteredReplay(AbstractReplay):
         self.distribution_power = check_finite_float(
             distribution_power, "ClusteredReplay(distribution_power=...)"
         )
-        if self.num_clusters * inner.max_size > _INT32_MAX:
+        if self.num_clusters * inner.max_size > INT32_MAX:
             raise ValueError(
                 f"`ClusteredReplay`: {self.num_clusters} clusters of capacity {inner.max_size} "
-                f"hold more than {_INT32_MAX} items; the total size must fit in int32."
+                f"hold more than {INT32_MAX} items; the total size must fit in int32."
             )
         size = inner.size
         if is_concrete(size) and int(size) != 0:
             raise ValueError(
                 f"`ClusteredReplay(inner=...)` must be an empty replay (it is the template of "
-                f"every cluster), but it holds {int(size)} items."
+                f"every cluster), but it holds {plural(int(size), 'item')}."
             )
-        check_index_fn(_item_spec(inner), cluster_fn, "ClusteredReplay(cluster_fn=...)")
+        check_index_fn(inner.item_spec, cluster_fn, "ClusteredReplay(cluster_fn=...)")
         self.clusters = jax.tree.map(
             lambda x: jnp.broadcast_to(x, (self.num_clusters, *x.shape)) if eqx.is_array(x) else x,
             inner,
@@ -143,22 +150,28 @@ class ClusteredReplay(AbstractReplay):
         """The number of items stored in each cluster."""
         return eqx.filter_vmap(lambda r: r.size)(self.clusters)
 
+    @property
+    def item_spec(self) -> PyTree[jax.ShapeDtypeStruct]:
+        # One cluster, as shapes only: the stacked clusters without their leading axis.
+        one = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype) if eqx.is_array(x) else x,
+            self.clusters,
+        )
+        return one.item_spec
+
     def add(self: _C, item: PyTree[ArrayLike]) -> _C:
         call = "ClusteredReplay.add"
-        item, _ = check_items(self._item_spec(), item, call, batched=False)
-        return _insert(self, jax.tree.map(lambda x: x[None], item), None, call)
+        item, _ = check_items(self.item_spec, item, call, batched=False)
+        return self._insert(jax.tree.map(lambda x: x[None], item), None, call)
 
     def add_batch(
         self: _C, items: PyTree[ArrayLike], *, mask: Bool[ArrayLike, " n"] | None = None
     ) -> _C:
         call = "ClusteredReplay.add_batch"
-        items, n = check_items(self._item_spec(), items, call, batched=True)
-        assert n is not None
-        if mask is not None:
-            mask = check_mask(mask, n, call)
-        if n == 0:
+        items, mask = check_batch(self.item_spec, items, mask, call)
+        if jax.tree.leaves(items)[0].shape[0] == 0:
             return self
-        return _insert(self, items, mask, call)
+        return self._insert(items, mask, call)
 
     def sample(self, key: PRNGKeyArray, batch_size: int) -> Any:
         """Draw `batch_size` rows: for each, a cluster, then an item from that cluster.
@@ -168,10 +181,14 @@ class ClusteredReplay(AbstractReplay):
 
         **Raises:** an `eqx.error_if` error if every cluster is empty.
         """
-        batch_size = check_positive_int(batch_size, "ClusteredReplay.sample(batch_size=...)")
-        return _sample(self, key, batch_size)
+        call = "ClusteredReplay.sample"
+        batch_size = check_positive_int(batch_size, f"{call}(batch_size=...)")
+        return check_faults(
+            self.sample_unchecked(key, batch_size),
+            [(self.size == 0, f"`{call}`: cannot sample from an empty ClusteredReplay")],
+        )
 
-    def _draw(self, key: PRNGKeyArray, batch_size: int) -> Any:
+    def sample_unchecked(self, key: PRNGKeyArray, batch_size: int) -> Any:
         keys = jax.random.split(key, self.num_clusters + 1)
         sizes = self.cluster_sizes
         # Weights in log space: `size ** power` can overflow float32 for large powers, and an
@@ -185,22 +202,24 @@ class ClusteredReplay(AbstractReplay):
         u = jax.random.uniform(keys[0], (batch_size,), jnp.float32)
         chosen = jnp.searchsorted(cdf, u * cdf[-1], side="right", method="compare_all")
         chosen = jnp.minimum(chosen, jnp.argmax(cdf)).astype(jnp.int32)
-        # Every cluster draws a full batch (empty ones too: `_draw` does not check), and row j
-        # is kept from the cluster chosen for it. Generic over whatever `_draw` returns, and
-        # rows stay independent because each cluster's rows are.
-        draws = eqx.filter_vmap(lambda r, k: r._draw(k, batch_size))(self.clusters, keys[1:])
+        # Every cluster draws a full batch (empty ones too: the draw is unchecked), and row j
+        # is kept from the cluster chosen for it. Generic over whatever the inner replay
+        # returns, and rows stay independent because each cluster's rows are.
+        draws = eqx.filter_vmap(lambda r, k: r.sample_unchecked(k, batch_size))(
+            self.clusters, keys[1:]
+        )
         rows = jnp.arange(batch_size)
         return jax.tree.map(lambda x: x[chosen, rows], draws)
 
     def set_priorities(
         self: _C,
         cluster_ids: Integer[ArrayLike, " n"],
-        indices: Int[ArrayLike, " n"],
+        indices: Integer[ArrayLike, " n"],
         priorities: Real[ArrayLike, " n"],
     ) -> _C:
         """Set priorities in the clusters of a prioritised inner replay.
 
-        For an inner replay with `set_priorities` (a `PrioritisedReplay`): entry `j` sets
+        For an inner `AbstractPrioritisedReplay` (a `PrioritisedReplay`): entry `j` sets
         the priority of slot `indices[j]` of cluster `cluster_ids[j]`. A sample's `indices`
         are slots within the cluster each row came from, and the cluster of a row is
         `cluster_fn` of its item: `cluster_ids = jax.vmap(replay.cluster_fn)(sample.items)`.
@@ -214,126 +233,72 @@ class ClusteredReplay(AbstractReplay):
 
         **Returns:** the new replay.
 
-        **Raises:** `TypeError` at once if the inner replay has no `set_priorities`; an
+        **Raises:** `TypeError` at once if the inner replay has no priorities; an
         `eqx.error_if` error if a cluster id is out of range, or for what the inner
         `set_priorities` rejects (an index that is not a stored slot of its cluster, a
         negative or non-finite priority).
         """
         call = "ClusteredReplay.set_priorities"
-        if not callable(getattr(self.clusters, "set_priorities", None)):
+        if not isinstance(self.clusters, AbstractPrioritisedReplay):
             raise TypeError(
                 f"`{call}`: the inner replay, a {type(self.clusters).__name__}, has no "
-                "priorities (no `set_priorities` method)."
+                "priorities (it is not an `AbstractPrioritisedReplay`)."
             )
         # All three checked here, so that a mismatch names this call and its arguments.
-        cluster_ids = check_vector(cluster_ids, None, call, "cluster_ids", kind="integer")
-        n = cluster_ids.shape[0]
-        indices = check_vector(indices, n, call, "indices", kind="integer")
-        priorities = check_vector(priorities, n, call, "priorities", kind="real")
-        return _set_priorities(self, cluster_ids, indices, priorities, call)
+        ids, bad = check_index(cluster_ids, self.num_clusters, f"{call}(cluster_ids=...)", ndim=1)
+        n = ids.shape[0]
+        # Out-of-range slots become `max_size`, which the inner `set_priorities` reports.
+        indices, _ = check_index(
+            indices, self.clusters.max_size, f"{call}(indices=...)", ndim=1, length=n
+        )
+        priorities = check_vector(priorities, n, call, "priorities")
+        # The guard sits on the ids, which every cluster's update reads.
+        ids = check_faults(
+            ids,
+            [
+                (
+                    bad,
+                    f"`{call}`: a cluster id is outside [0, num_clusters) = "
+                    f"[0, {self.num_clusters})",
+                )
+            ],
+        )
+        clusters: AbstractPrioritisedReplay = self.clusters
+
+        def set_in(cluster: AbstractPrioritisedReplay, c: Int[Array, ""]):
+            return cluster.set_priorities(indices, priorities, mask=ids == c)
+
+        clusters = eqx.filter_vmap(set_in)(clusters, jnp.arange(self.num_clusters, dtype=jnp.int32))
+        return eqx.tree_at(lambda r: r.clusters, self, clusters)
 
     def update(self: _C, fn: Callable[[PyTree[Array]], PyTree[Array]]) -> _C:
-        check_fn_output(self._item_spec(), fn, "ClusteredReplay.update")
+        check_fn_output(self.item_spec, fn, "ClusteredReplay.update")
         clusters = eqx.filter_vmap(lambda r: r.update(fn))(self.clusters)
         return eqx.tree_at(lambda r: r.clusters, self, clusters)
 
-    def _item_spec(self) -> PyTree[jax.ShapeDtypeStruct]:
-        return _item_spec(self.clusters, stacked=True)
+    def _insert(self: _C, items: PyTree[Array], mask: Bool[Array, " n"] | None, call: str) -> _C:
+        """Add each valid item to the cluster `cluster_fn` names; an id out of range is an
+        error. O(num_clusters · n): every cluster makes a masked add of the whole batch."""
+        ids, bad = check_index(jax.vmap(self.cluster_fn)(items), self.num_clusters, call)
+        valid = jnp.ones(ids.shape, jnp.bool_) if mask is None else mask
+        # The guard sits on the ids, which every cluster's add reads.
+        ids = check_faults(
+            ids,
+            [
+                (
+                    valid & bad,
+                    f"`{call}`: `cluster_fn` returned a cluster id outside [0, num_clusters) = "
+                    f"[0, {self.num_clusters})",
+                )
+            ],
+        )
 
+        def add_to(cluster: AbstractReplay, c: Int[Array, ""]) -> AbstractReplay:
+            # The masked add keeps the order of the valid items, so each cluster receives its
+            # items exactly as sequential adds would give them, overflow included.
+            return cluster.add_batch(items, mask=valid & (ids == c))
 
-# The vectorised bodies of add and sample are jitted: inside a user's `jit` they are inlined, and
-# called eagerly they compile once instead of dispatching (and compiling) every vmapped primitive
-# on its own. Not `update`: its `fn` is often a fresh lambda, which would compile on every call.
-
-
-@eqx.filter_jit
-def _insert(replay: _C, items: PyTree[Array], mask: Bool[Array, " n"] | None, call: str) -> _C:
-    """Add each valid item to the cluster `cluster_fn` names; an id out of range is an error."""
-    ids = jnp.asarray(jax.vmap(replay.cluster_fn)(items))
-    bad = out_of_range(ids, replay.num_clusters)
-    valid = jnp.ones(ids.shape, jnp.bool_) if mask is None else mask
-    # Checked before the cast, which could wrap an out-of-range id into range.
-    ids = ids.astype(jnp.int32)
-
-    def add_to(cluster: AbstractReplay, c: Int[Array, ""]) -> AbstractReplay:
-        # The masked add keeps the order of the valid items, so each cluster receives its
-        # items exactly as sequential adds would give them, overflow included.
-        return cluster.add_batch(items, mask=valid & (ids == c))
-
-    clusters = eqx.filter_vmap(add_to)(
-        replay.clusters, jnp.arange(replay.num_clusters, dtype=jnp.int32)
-    )
-    clusters = _guard_counters(
-        clusters,
-        jnp.any(valid & bad),
-        f"`{call}`: `cluster_fn` returned a cluster id outside [0, num_clusters) = "
-        f"[0, {replay.num_clusters})",
-    )
-    return eqx.tree_at(lambda r: r.clusters, replay, clusters)
-
-
-@eqx.filter_jit
-def _set_priorities(
-    replay: _C, ids: Array, indices: ArrayLike, priorities: ArrayLike, call: str
-) -> _C:
-    bad = out_of_range(ids, replay.num_clusters)
-    ids = ids.astype(jnp.int32)  # after the check: a cast could wrap an id into range
-
-    def set_in(cluster: Any, c: Int[Array, ""]) -> Any:
-        return cluster.set_priorities(indices, priorities, mask=ids == c)
-
-    clusters = eqx.filter_vmap(set_in)(
-        replay.clusters, jnp.arange(replay.num_clusters, dtype=jnp.int32)
-    )
-    clusters = _guard_counters(
-        clusters,
-        jnp.any(bad),
-        f"`{call}`: a cluster id is outside [0, num_clusters) = [0, {replay.num_clusters})",
-    )
-    return eqx.tree_at(lambda r: r.clusters, replay, clusters)
-
-
-@eqx.filter_jit
-def _sample(replay: ClusteredReplay, key: PRNGKeyArray, batch_size: int) -> Any:
-    return eqx.error_if(
-        replay._draw(key, batch_size),
-        replay.size == 0,
-        "cannot sample from an empty ClusteredReplay",
-    )
-
-
-def _item_spec(replay: AbstractReplay, *, stacked: bool = False) -> PyTree[jax.ShapeDtypeStruct]:
-    """The structure, shapes and dtypes of one item of any replay, found at trace time.
-
-    The abstract surface has no item spec, but every replay's `update(fn)` calls `fn` on items:
-    a probe `fn` records what it is given, under `eval_shape`, so nothing runs.
-    """
-    seen = []
-
-    def probe(item: PyTree[Array]) -> PyTree[Array]:
-        if not seen:
-            seen.append(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), item))
-        return item
-
-    def run(r: AbstractReplay) -> AbstractReplay:
-        return eqx.filter_vmap(lambda c: c.update(probe))(r) if stacked else r.update(probe)
-
-    eqx.filter_eval_shape(run, replay)
-    return seen[0]
-
-
-def _guard_counters(clusters: AbstractReplay, pred: Bool[Array, ""], msg: str) -> AbstractReplay:
-    """Thread `eqx.error_if(pred, msg)` through the small counters of the new clusters.
-
-    The guard must sit on an output, but the layout of the inner replay is not ours to know:
-    its leaves of the fewest dimensions are its scalars (sizes, write positions), one per
-    cluster. Guarding those, never the storage, costs nothing and keeps the check alive.
-    """
-    leaves, treedef = jax.tree.flatten(clusters)
-    arrays = [i for i, x in enumerate(leaves) if eqx.is_array(x)]
-    fewest = min(leaves[i].ndim for i in arrays)
-    small = [i for i in arrays if leaves[i].ndim == fewest]
-    guarded = eqx.error_if([leaves[i] for i in small], pred, msg)
-    for i, x in zip(small, guarded):
-        leaves[i] = x
-    return jax.tree.unflatten(treedef, leaves)
+        clusters = eqx.filter_vmap(add_to)(
+            self.clusters, jnp.arange(self.num_clusters, dtype=jnp.int32)
+        )
+        return eqx.tree_at(lambda r: r.clusters, self, clusters)

@@ -221,7 +221,7 @@ def _storage_spec(leaf: Any) -> Any:
 
 
 def _read_leaf(file: _Reader, spec: Any) -> Any:
-    """`filter_spec` for `eqx.tree_deserialise_leaves`: the inverse of `_write_leaf`."""
+    """The inverse of `_write_leaf`, for a leaf whose template is `spec`."""
     if not isinstance(spec, jax.ShapeDtypeStruct):
         return spec
     array = np.load(file, allow_pickle=False)
@@ -431,12 +431,20 @@ def load(path: str | os.PathLike, like: _T) -> _T:
                 f"`{call}`: {name!r} does not match `like`:\n"
                 + "\n".join(f"  - {d}" for d in differences)
             )
-        try:
-            tree = eqx.tree_deserialise_leaves(
-                file, jax.tree.map(_storage_spec, like), filter_spec=_read_leaf
-            )
-        except Exception as e:  # a payload that disagrees with a checksummed header
-            raise _corrupt(call, f"{name!r} has an inconsistent payload ({e})") from e
+        # Read leaf by leaf (what `eqx.tree_serialise_leaves` wrote, in flattening order), so
+        # that a payload that disagrees with its checksummed header is reported as it is, with
+        # the leaf's path.
+        flat, treedef = tree_flatten_with_path(like)
+        leaves = []
+        for key_path, leaf in flat:
+            try:
+                leaves.append(_read_leaf(file, _storage_spec(leaf)))
+            except Exception as e:
+                raise _corrupt(
+                    call,
+                    f"{name!r} has an inconsistent payload at leaf `{keystr(key_path)}`: {e}",
+                ) from e
+        tree = jax.tree.unflatten(treedef, leaves)
         if file.tell() != size - _DIGEST_SIZE:
             raise _corrupt(call, f"{name!r} has unexpected bytes after its last array")
 

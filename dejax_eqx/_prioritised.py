@@ -4,21 +4,39 @@ from typing import Any, NamedTuple, TypeVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray, PyTree, Real, Shaped
+import numpy as np
+from jaxtyping import (
+    Array,
+    ArrayLike,
+    Bool,
+    Float,
+    Int,
+    Integer,
+    PRNGKeyArray,
+    PyTree,
+    Real,
+    Shaped,
+)
 
-from ._abstract import AbstractReplay
+from ._abstract import AbstractPrioritisedReplay
 from ._checks import (
     as_prototype,
+    check_bool,
+    check_faults,
     check_float_dtype,
+    check_fn_output,
+    check_index,
+    check_items,
     check_mask,
     check_nonnegative_float,
     check_positive_int,
+    check_real_scalar,
     check_vector,
-    out_of_range,
+    Fault,
     Prototype,
 )
-from ._storage import CircularBuffer
-from ._sum_tree import _MAX_CAPACITY, SumTree
+from ._storage import apply, check_batch, CircularBuffer, gather_slots, write, write_batch
+from ._sum_tree import find_leaves, MAX_CAPACITY, set_leaves, SumTree
 
 
 _P = TypeVar("_P", bound="PrioritisedReplay")
@@ -41,7 +59,7 @@ class PrioritisedSample(NamedTuple):
     probabilities: Float[Array, " batch"]
 
 
-class PrioritisedReplay(AbstractReplay):
+class PrioritisedReplay(AbstractPrioritisedReplay):
     """Prioritised experience replay (Schaul et al., 2016) on a sum tree.
 
     A FIFO replay of fixed capacity where each stored item `i` has a priority `p_i >= 0` and is
@@ -114,16 +132,12 @@ class PrioritisedReplay(AbstractReplay):
             `jnp.float64` (needs `jax_enable_x64`).
         """
         max_size = check_positive_int(
-            max_size, "PrioritisedReplay(max_size=...)", maximum=_MAX_CAPACITY
+            max_size, "PrioritisedReplay(max_size=...)", maximum=MAX_CAPACITY
         )
         self.priority_exponent = check_nonnegative_float(
             priority_exponent, "PrioritisedReplay(priority_exponent=...)"
         )
-        if not isinstance(stratified, bool):
-            raise TypeError(
-                f"`PrioritisedReplay(stratified=...)` must be a bool, got {stratified!r}."
-            )
-        self.stratified = stratified
+        self.stratified = check_bool(stratified, "PrioritisedReplay(stratified=...)")
         dtype = check_float_dtype(dtype, "PrioritisedReplay(dtype=...)")
         self.storage = CircularBuffer(
             as_prototype(prototype, "PrioritisedReplay(prototype=...)"), max_size
@@ -139,30 +153,29 @@ class PrioritisedReplay(AbstractReplay):
     def size(self) -> Int[Array, ""]:
         return self.storage.size
 
+    @property
+    def item_spec(self) -> PyTree[jax.ShapeDtypeStruct]:
+        return self.storage.item_spec
+
     def add(self: _P, item: PyTree[ArrayLike], priority: Real[ArrayLike, ""] | None = None) -> _P:
         """Store one item, overwriting the oldest if the replay is full.
 
         **Arguments:**
 
         - `item`: a pytree with the prototype's structure, shapes and dtypes.
-        - `priority`: the item's priority, a finite non-negative scalar; by default
-            `max_priority`.
+        - `priority`: the item's priority, a finite non-negative real scalar (not a bool); by
+            default `max_priority`.
 
         **Returns:** the new replay.
 
         **Raises:** an `eqx.error_if` error if `priority` is negative, infinite or NaN.
         """
         call = "PrioritisedReplay.add"
-        slot = self.storage.head
-        storage = self.storage._push(item, call)
+        item, _ = check_items(self.item_spec, item, call, batched=False)
         if priority is not None:
-            priority = jnp.asarray(priority)
-            if priority.shape != ():
-                raise ValueError(
-                    f"`{call}`: `priority` has shape {priority.shape}, expected a scalar."
-                )
-            priority = priority[None]
-        return self._write(storage, slot[None], priority, call, unique=True)
+            priority = check_real_scalar(priority, call, "priority")[None]
+        storage, slot = write(self.storage, item)
+        return self._with_priorities(storage, slot[None], priority, call, unique=True)
 
     def add_batch(
         self: _P,
@@ -187,59 +200,42 @@ class PrioritisedReplay(AbstractReplay):
         **Raises:** an `eqx.error_if` error if a priority is negative, infinite or NaN.
         """
         call = "PrioritisedReplay.add_batch"
-        storage = self.storage._push_batch(items, call, mask)  # checks the items
-        n = jax.tree.leaves(items)[0].shape[0]
+        items, mask = check_batch(self.item_spec, items, mask, call)
         if priorities is not None:
-            priorities = check_vector(priorities, n, call, "priorities", kind="real")
-        if mask is None:
-            # The last min(n, max_size) items survive, in distinct slots; the others get the
-            # out-of-range slot max_size (dropped), but their priorities are still recorded.
-            k = min(n, self.max_size)
-            overwritten = jnp.full(n - k, self.max_size, jnp.int32)
-            slots = jnp.concatenate([overwritten, self.storage._write_slots(n)])
-            return self._write(storage, slots, priorities, call, unique=True)
-        mask = check_mask(mask, n, call)
-        slots = self.storage._masked_slots(mask)  # max_size where not kept; kept ones distinct
-        return self._write(storage, slots, priorities, call, mask=mask, unique=True)
+            n = jax.tree.leaves(items)[0].shape[0]
+            priorities = check_vector(priorities, n, call, "priorities")
+        # Items overwritten within the batch get the out-of-range slot max_size (dropped), but
+        # their priorities are still recorded in `max_priority`, as n adds would.
+        storage, slots = write_batch(self.storage, items, mask)
+        return self._with_priorities(storage, slots, priorities, call, mask=mask, unique=True)
 
     def set_priorities(
         self: _P,
-        indices: Int[ArrayLike, " n"],
+        indices: Integer[ArrayLike, " n"],
         priorities: Real[ArrayLike, " n"],
         *,
         mask: Bool[ArrayLike, " n"] | None = None,
     ) -> _P:
-        """Set the priorities of the items in slots `indices`.
-
-        An index may occur more than once (a batch sampled with replacement often repeats an
-        item); then the last occurrence wins.
-
-        **Arguments:**
-
-        - `indices`: integer array of shape `(n,)`, storage slots of stored items, as returned
-            in `PrioritisedSample.indices`.
-        - `priorities`: array of shape `(n,)`, finite and non-negative.
-        - `mask`: optional boolean array of shape `(n,)`: only the entries where it is `True`
-            are set (and checked); the others may hold anything.
-
-        **Returns:** the new replay.
-
-        **Raises:** an `eqx.error_if` error if an index is not a stored slot
-        (`0 <= index < size`) or a priority is negative, infinite or NaN.
-        """
         call = "PrioritisedReplay.set_priorities"
-        indices = check_vector(indices, None, call, "indices", kind="integer")
-        n = indices.shape[0]
-        priorities = check_vector(priorities, n, call, "priorities", kind="real")
+        slots, bad = check_index(indices, self.max_size, f"{call}(indices=...)", ndim=1)
+        n = slots.shape[0]
+        priorities = check_vector(priorities, n, call, "priorities")
         if mask is not None:
             mask = check_mask(mask, n, call)
-        # A replay never pops, so its stored slots are exactly [0, size). First compared with
-        # max_size in the indices' own dtype (a cast could wrap an int64 index into range).
-        bad = out_of_range(indices, self.max_size)
-        indices = indices.astype(jnp.int32)
-        bad = bad | (indices >= self.storage.size)
-        bad_index = jnp.any(bad if mask is None else bad & mask)
-        return self._write(self.storage, indices, priorities, call, mask=mask, bad_index=bad_index)
+        # A replay never pops, so its stored slots are exactly [0, size).
+        bad = bad | (slots >= self.storage.size)
+        return self._with_priorities(
+            self.storage,
+            slots,
+            priorities,
+            call,
+            mask=mask,
+            index_fault=(
+                bad if mask is None else bad & mask,
+                f"`{call}`: index out of range; every index must be a stored slot, "
+                "0 <= index < size",
+            ),
+        )
 
     def sample(self, key: PRNGKeyArray, batch_size: int) -> PrioritisedSample:
         """Draw `batch_size` stored items with probabilities `P(i)`, with replacement.
@@ -254,34 +250,37 @@ class PrioritisedReplay(AbstractReplay):
         **Raises:** an `eqx.error_if` error if the replay is empty, if every stored priority is
         zero, or if the total mass `Σ p ** α` overflows the tree's dtype.
         """
-        batch_size = check_positive_int(batch_size, "PrioritisedReplay.sample(batch_size=...)")
+        call = "PrioritisedReplay.sample"
+        batch_size = check_positive_int(batch_size, f"{call}(batch_size=...)")
         total = self.tree.total
-        empty = self.storage.size == 0
-        zero = total <= 0
-        overflow = ~jnp.isfinite(total)
-        # Under vmap the message shown is that of the largest index over the batch, so a
-        # replay without a fault must give the smallest index, 0.
-        return eqx.branched_error_if(
-            self._draw(key, batch_size),
-            empty | zero | overflow,
-            jnp.where(empty, 0, jnp.where(zero, 1, jnp.where(overflow, 2, 0))),
+        return check_faults(
+            self.sample_unchecked(key, batch_size),
             [
-                "cannot sample from an empty PrioritisedReplay",
-                "cannot sample from a PrioritisedReplay whose stored priorities are all zero",
-                "cannot sample from a PrioritisedReplay: the total priority mass "
-                "sum(priority ** priority_exponent) is not finite in the tree's dtype",
+                (
+                    self.storage.size == 0,
+                    f"`{call}`: cannot sample from an empty PrioritisedReplay",
+                ),
+                (
+                    total <= 0,
+                    f"`{call}`: cannot sample from a PrioritisedReplay whose stored priorities "
+                    "are all zero",
+                ),
+                (
+                    ~jnp.isfinite(total),
+                    f"`{call}`: cannot sample from a PrioritisedReplay: the total priority mass "
+                    "sum(priority ** priority_exponent) is not finite in the tree's dtype",
+                ),
             ],
         )
 
-    def _draw(self, key: PRNGKeyArray, batch_size: int) -> PrioritisedSample:
+    def sample_unchecked(self, key: PRNGKeyArray, batch_size: int) -> PrioritisedSample:
         tree = self.tree
         total = tree.total
         dtype = total.dtype
         uniform = jax.random.uniform(key, (batch_size,), dtype)
         if self.stratified:
             start = jnp.arange(batch_size, dtype=dtype)
-            targets = (start + uniform) * (total / batch_size)
-            slots = tree._find(targets)
+            slots = find_leaves(tree, (start + uniform) * (total / batch_size))
         else:
             # The descent is bound by cache misses in a large tree. Sorted targets visit the
             # nodes in order, and neighbouring draws share the upper levels' cache lines (as
@@ -292,18 +291,18 @@ class PrioritisedReplay(AbstractReplay):
             slots = (
                 jnp.zeros(batch_size, jnp.int32)
                 .at[order]
-                .set(tree._find(targets[order]), unique_indices=True)
+                .set(find_leaves(tree, targets[order]), unique_indices=True)
             )
         positive = total > 0
         # No NaN even on an empty replay (wrappers draw from those too, then discard the rows).
-        probabilities = jnp.where(positive, tree.get(slots) / jnp.where(positive, total, 1), 0)
-        return PrioritisedSample(self.storage._gather_slots(slots), slots, probabilities)
+        leaf = jnp.take(tree.nodes, slots)  # `slots` are leaves: in [0, max_size)
+        probabilities = jnp.where(positive, leaf / jnp.where(positive, total, 1), 0)
+        return PrioritisedSample(gather_slots(self.storage, slots), slots, probabilities)
 
     def update(self: _P, fn: Callable[[PyTree[Array]], PyTree[Array]]) -> _P:
         """Apply `fn(item) -> item` to every stored item; priorities are unchanged."""
-        return eqx.tree_at(
-            lambda r: r.storage, self, self.storage._update(fn, "PrioritisedReplay.update")
-        )
+        check_fn_output(self.item_spec, fn, "PrioritisedReplay.update")
+        return eqx.tree_at(lambda r: r.storage, self, apply(self.storage, fn))
 
     def _mass(self, priorities: Float[Array, "*s"]) -> Float[Array, "*s"]:
         """`p ** α`, with zero priority mapped to zero mass for every `α` (also `α = 0`)."""
@@ -312,7 +311,7 @@ class PrioritisedReplay(AbstractReplay):
             return priorities
         return jnp.where(priorities > 0, priorities**alpha, 0)
 
-    def _write(
+    def _with_priorities(
         self: _P,
         storage: CircularBuffer,
         slots: Int[Array, " n"],
@@ -321,12 +320,12 @@ class PrioritisedReplay(AbstractReplay):
         *,
         mask: Bool[Array, " n"] | None = None,
         unique: bool = False,
-        bad_index: Bool[Array, ""] | None = None,
+        index_fault: Fault | None = None,
     ) -> _P:
         """The replay with `storage`, and the priorities of `slots` set (out-of-range or
         masked-out slots dropped; `unique`: the kept slots are distinct). `None` priorities
-        mean `max_priority`. `bad_index` flags indices the caller found invalid."""
-        bad_priority = None
+        mean `max_priority`. `index_fault` reports indices the caller found invalid."""
+        faults = [] if index_fault is None else [index_fault]
         if priorities is None:
             mass = jnp.broadcast_to(self._mass(self.max_priority), slots.shape)
             max_priority = self.max_priority
@@ -334,26 +333,19 @@ class PrioritisedReplay(AbstractReplay):
             priorities = priorities.astype(self.max_priority.dtype)
             if mask is not None:  # masked-out items may carry anything
                 priorities = jnp.where(mask, priorities, 0)
-            bad_priority = jnp.any(~(jnp.isfinite(priorities) & (priorities >= 0)))
+            faults.append(
+                (
+                    ~(jnp.isfinite(priorities) & (priorities >= 0)),
+                    f"`{call}`: priorities must be finite and non-negative",
+                )
+            )
             max_priority = jnp.maximum(self.max_priority, jnp.max(priorities, initial=0))
             mass = self._mass(priorities)
-        if bad_index is not None or bad_priority is not None:
-            bad_index = jnp.asarray(False) if bad_index is None else bad_index
-            bad_priority = jnp.asarray(False) if bad_priority is None else bad_priority
-            # The check guards what the new replay is built from: the small vectors scattered
-            # into the tree, and the new maximum. Not the tree or the storage: threading those
-            # through a check could copy them.
-            slots, mass, max_priority = eqx.branched_error_if(
-                (slots, mass, max_priority),
-                bad_index | bad_priority,
-                jnp.where(bad_index, 1, 0),  # 0 also without a fault (see `sample`)
-                [
-                    f"`{call}`: priorities must be finite and non-negative",
-                    f"`{call}`: index out of range; every index must be a stored slot, "
-                    "0 <= index < size",
-                ],
-            )
-        tree = self.tree._set(slots, mass, mask=mask, unique=unique)
+        # The check guards what the new replay is built from: the small vectors scattered
+        # into the tree, and the new maximum. Not the tree or the storage: threading those
+        # through a check could copy them.
+        slots, mass, max_priority = check_faults((slots, mass, max_priority), faults)
+        tree = set_leaves(self.tree, slots, mass, mask=mask, unique=unique)
         return eqx.tree_at(
             lambda r: (r.storage, r.tree, r.max_priority), self, (storage, tree, max_priority)
         )
@@ -361,7 +353,7 @@ class PrioritisedReplay(AbstractReplay):
 
 def importance_weights(
     probabilities: Float[ArrayLike, "*batch"],
-    size: Int[ArrayLike, ""],
+    size: Integer[ArrayLike, ""],
     beta: Real[ArrayLike, ""],
 ) -> Float[Array, "*batch"]:
     """Importance-sampling weights that correct the bias of prioritised sampling.
@@ -378,12 +370,14 @@ def importance_weights(
 
     - `probabilities`: the probabilities `P(i)` of the sampled items, as in
         `PrioritisedSample.probabilities` (any shape; all must be positive).
-    - `size`: `N`, the number of stored items (`replay.size`).
-    - `beta`: the exponent `β`, a scalar.
+    - `size`: `N`, the number of stored items (`replay.size`), positive.
+    - `beta`: the exponent `β`, a finite non-negative scalar.
 
     **Returns:** weights with the shape and dtype of `probabilities`, at most 1.
 
-    **Raises:** an `eqx.error_if` error if a probability is not positive (or is NaN).
+    **Raises:** `ValueError`/`TypeError` at once for a Python `size` or `beta` out of range;
+    an `eqx.error_if` error if a probability is not positive (or is NaN), or if an array
+    `size` is not positive or an array `beta` is negative or not finite.
 
     !!! Example
 
@@ -395,18 +389,31 @@ def importance_weights(
         assert jnp.allclose(w, jnp.array([1.0, 0.25]))
         ```
     """
+    call = "importance_weights"
     probabilities = jnp.asarray(probabilities)
     if not jnp.issubdtype(probabilities.dtype, jnp.floating):
         raise TypeError(
-            "`importance_weights`: `probabilities` must have a floating dtype, got "
-            f"{probabilities.dtype}."
+            f"`{call}`: `probabilities` must have a floating dtype, got {probabilities.dtype}."
         )
+    # Python values are configuration, checked now; arrays are data, checked at run time.
+    if isinstance(size, int | np.integer):
+        check_positive_int(size, f"{call}(size=...)")
+    if isinstance(beta, int | float | np.integer | np.floating):
+        check_nonnegative_float(beta, f"{call}(beta=...)")
+    size = check_real_scalar(size, call, "size")
+    beta = check_real_scalar(beta, call, "beta")
     dtype = probabilities.dtype
-    log_n = jnp.log(jnp.asarray(size).astype(dtype))
-    log_w = -jnp.asarray(beta).astype(dtype) * (log_n + jnp.log(probabilities))
+    log_n = jnp.log(size.astype(dtype))
+    log_w = -beta.astype(dtype) * (log_n + jnp.log(probabilities))
     weights = jnp.exp(log_w - jnp.max(log_w))
-    return eqx.error_if(
+    return check_faults(
         weights,
-        jnp.any(~(probabilities > 0)),
-        "`importance_weights`: probabilities must be positive",
+        [
+            (~(probabilities > 0), f"`{call}`: probabilities must be positive"),
+            (~(size > 0), f"`{call}`: `size` must be positive"),
+            (
+                ~(jnp.isfinite(beta) & (beta >= 0)),
+                f"`{call}`: `beta` must be finite and non-negative",
+            ),
+        ],
     )

@@ -5,11 +5,13 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, ArrayLike, Bool, Int, PyTree, Shaped
+from jaxtyping import Array, ArrayLike, Bool, Int, Integer, PyTree, Shaped
 
 from ._checks import (
     as_prototype,
+    check_faults,
     check_fn_output,
+    check_index,
     check_items,
     check_mask,
     check_positive_int,
@@ -116,7 +118,8 @@ class CircularBuffer(eqx.Module):
 
         **Returns:** the new buffer.
         """
-        return self._push(item, "CircularBuffer.push")
+        item, _ = check_items(self.item_spec, item, "CircularBuffer.push", batched=False)
+        return write(self, item)[0]
 
     def push_batch(
         self: _CB, items: PyTree[ArrayLike], *, mask: Bool[ArrayLike, " n"] | None = None
@@ -136,7 +139,8 @@ class CircularBuffer(eqx.Module):
 
         **Returns:** the new buffer.
         """
-        return self._push_batch(items, "CircularBuffer.push_batch", mask)
+        items, mask = check_batch(self.item_spec, items, mask, "CircularBuffer.push_batch")
+        return write_batch(self, items, mask)[0]
 
     def pop(self: _CB) -> tuple[PyTree[Array], _CB]:
         """Remove and return the oldest item.
@@ -145,30 +149,29 @@ class CircularBuffer(eqx.Module):
 
         **Raises:** an `eqx.error_if` error (`EquinoxRuntimeError`) if the buffer is empty.
         """
-        item = jax.tree.map(lambda x: x[self._oldest_slot()], self.data)
+        item = gather_slots(self, oldest_slot(self))
         # The check guards the outputs themselves: a guard on an intermediate (the slot) can be
         # optimised away, e.g. when max_size == 1 makes the gather independent of its index.
-        item, count = eqx.error_if(
-            (item, self.count), self.count == 0, "cannot pop from an empty CircularBuffer"
-        )
+        empty = "`CircularBuffer.pop`: cannot pop from an empty CircularBuffer"
+        item, count = check_faults((item, self.count), [(self.count == 0, empty)])
         return item, eqx.tree_at(lambda b: b.count, self, count - 1)
 
-    def get(self, index: Int[ArrayLike, ""]) -> PyTree[Array]:
+    def get(self, index: Integer[ArrayLike, ""]) -> PyTree[Array]:
         """The `index`-th oldest stored item: `get(0)` is the oldest, `get(size - 1)` the newest.
 
-        **Raises:** an `eqx.error_if` error unless `0 <= index < size`.
+        **Raises:** `TypeError` at once unless `index` is one integer; an `eqx.error_if` error
+        unless `0 <= index < size`.
         """
-        index = jnp.asarray(index)
-        if index.shape != () or not jnp.issubdtype(index.dtype, jnp.integer):
-            raise TypeError(
-                "`CircularBuffer.get(index)` takes one integer scalar, got "
-                f"{index.dtype}{list(index.shape)}."
-            )
-        index = index.astype(jnp.int32)
-        return eqx.error_if(
-            self._gather(index),
-            (index < 0) | (index >= self.count),
-            "`CircularBuffer.get(index)`: index out of range; it must satisfy 0 <= index < size",
+        call = "CircularBuffer.get(index)"
+        index, bad = check_index(index, self.max_size, call, ndim=0)
+        return check_faults(
+            gather(self, index),
+            [
+                (
+                    bad | (index >= self.count),
+                    f"`{call}`: index out of range; it must satisfy 0 <= index < size",
+                )
+            ],
         )
 
     def update(self: _CB, fn: Callable[[PyTree[Array]], PyTree[Array]]) -> _CB:
@@ -178,101 +181,110 @@ class CircularBuffer(eqx.Module):
         of the same structure, shapes and dtypes (checked at trace time). Empty slots are left
         untouched.
         """
-        return self._update(fn, "CircularBuffer.update")
+        check_fn_output(self.item_spec, fn, "CircularBuffer.update")
+        return apply(self, fn)
 
-    # The methods below are the storage interface the replays are built on. `call` names the
-    # public method for error messages. Index helpers assume valid arguments and do no checks.
 
-    def _update(self: _CB, fn: Callable[[PyTree[Array]], PyTree[Array]], call: str) -> _CB:
-        check_fn_output(self.item_spec, fn, call)
-        new = jax.vmap(fn)(self.data)
-        stored = self._stored_mask()
-        data = jax.tree.map(
-            lambda n, o: jnp.where(stored.reshape((-1,) + (1,) * (o.ndim - 1)), n, o),
-            new,
-            self.data,
-        )
-        return eqx.tree_at(lambda b: b.data, self, data)
+# ---------------------------------------------------------------------------------------------
+# The storage interface the replays are built on: unchecked operations, whose arguments the
+# public method that calls them has already validated. Slots are physical (`data[slot]`);
+# positions are logical (0 is the oldest stored item).
 
-    def _oldest_slot(self, count: Int[ArrayLike, ""] | None = None) -> Int[Array, ""]:
-        """The slot of the oldest stored item (meaningless when empty)."""
-        return ring_sub(self.head, self.count if count is None else count, self.max_size)
 
-    def _slots(self, index: Int[ArrayLike, "*s"]) -> Int[Array, "*s"]:
-        """The slots of the `index`-th oldest items, for `0 <= index < size`."""
-        return ring_add(self._oldest_slot(), index, self.max_size)
+def check_batch(
+    spec: PyTree[jax.ShapeDtypeStruct],
+    items: PyTree[ArrayLike],
+    mask: Bool[ArrayLike, " n"] | None,
+    call: str,
+) -> tuple[PyTree[Array], Bool[Array, " n"] | None]:
+    """The public boundary of a batched add: `items` checked against `spec`, and `mask`."""
+    items, n = check_items(spec, items, call, batched=True)
+    assert n is not None
+    return items, None if mask is None else check_mask(mask, n, call)
 
-    def _gather(self, index: Int[ArrayLike, "*s"]) -> PyTree[Array]:
-        """The items at logical positions `index` (any shape), unchecked."""
-        return self._gather_slots(self._slots(index))
 
-    def _gather_slots(self, slots: Int[ArrayLike, "*s"]) -> PyTree[Array]:
-        """The items in physical `slots` (any shape), unchecked."""
-        return jax.tree.map(lambda x: jnp.take(x, slots, axis=0, mode="clip"), self.data)
+def oldest_slot(cb: CircularBuffer) -> Int[Array, ""]:
+    """The slot of the oldest stored item (meaningless when empty)."""
+    return ring_sub(cb.head, cb.count, cb.max_size)
 
-    def _stored_mask(self) -> Bool[Array, " max_size"]:
-        """For each slot, whether it holds a stored item."""
-        slot = jnp.arange(self.max_size, dtype=jnp.int32)
-        return ring_sub(slot, self._oldest_slot(), self.max_size) < self.count
 
-    def _write_slots(self, n: int) -> Int[Array, " k"]:
-        """The slots the next `n` pushes would write to and keep: the last `min(n, max_size)`."""
-        m = self.max_size
-        k = min(n, m)
-        # Offsets (from head) of the pushes that survive, reduced mod m in Python (static).
-        offsets = jnp.asarray(np.arange(n - k, n) % m, dtype=jnp.int32)
-        return ring_add(self.head, offsets, m)
+def gather_slots(cb: CircularBuffer, slots: Int[ArrayLike, "*s"]) -> PyTree[Array]:
+    """The items in `slots` (any shape)."""
+    return jax.tree.map(lambda x: jnp.take(x, slots, axis=0, mode="clip"), cb.data)
 
-    def _push(self: _CB, item: PyTree[ArrayLike], call: str) -> _CB:
-        item, _ = check_items(self.item_spec, item, call, batched=False)
-        data = jax.tree.map(lambda x, y: x.at[self.head].set(y), self.data, item)
-        head = ring_add(self.head, 1, self.max_size)
-        count = jnp.minimum(self.count + 1, self.max_size)
-        return eqx.tree_at(lambda b: (b.data, b.head, b.count), self, (data, head, count))
 
-    def _push_batch(
-        self: _CB, items: PyTree[ArrayLike], call: str, mask: Bool[ArrayLike, " n"] | None = None
-    ) -> _CB:
-        items, n = check_items(self.item_spec, items, call, batched=True)
-        assert n is not None
-        if mask is not None:
-            return self._push_masked(items, check_mask(mask, n, call))
-        if n == 0:
-            return self
-        m = self.max_size
-        k = min(n, m)
-        slots = self._write_slots(n)
-        data = jax.tree.map(
-            lambda x, y: x.at[slots].set(y[n - k :], unique_indices=True, mode="promise_in_bounds"),
-            self.data,
-            items,
-        )
-        head = ring_add(self.head, n % m, m)
-        count = jnp.minimum(self.count, m - k) + k
-        return eqx.tree_at(lambda b: (b.data, b.head, b.count), self, (data, head, count))
+def gather(cb: CircularBuffer, positions: Int[ArrayLike, "*s"]) -> PyTree[Array]:
+    """The items at logical `positions` (any shape), `0 <= position < size`."""
+    return gather_slots(cb, ring_add(oldest_slot(cb), positions, cb.max_size))
 
-    def _masked_slots(self, mask: Bool[Array, " n"]) -> Int[Array, " n"]:
-        """For a masked push of `n` items, the slot each item ends up in.
 
-        Items that are masked out, or overwritten within the same push, get the out-of-range
-        slot `max_size`; the surviving slots are distinct.
-        """
-        m = self.max_size
-        rank = jnp.cumsum(mask, dtype=jnp.int32) - 1  # position among the valid items
-        total = jnp.sum(mask, dtype=jnp.int32)
-        kept = jnp.minimum(total, m)
-        # Like the unmasked path: of `total` pushes only the last `kept` survive; valid item r
-        # lands at offset r mod m from head.
-        survives = mask & (rank >= total - kept)
-        return jnp.where(survives, ring_add(self.head, rank % m, m), m)
+def stored_mask(cb: CircularBuffer) -> Bool[Array, " max_size"]:
+    """For each slot, whether it holds a stored item."""
+    slot = jnp.arange(cb.max_size, dtype=jnp.int32)
+    return ring_sub(slot, oldest_slot(cb), cb.max_size) < cb.count
 
-    def _push_masked(self: _CB, items: PyTree[Array], mask: Bool[Array, " n"]) -> _CB:
-        """Push the items where `mask` holds, in order; the count is known only at run time."""
-        m = self.max_size
-        total = jnp.sum(mask, dtype=jnp.int32)
-        kept = jnp.minimum(total, m)
-        slots = self._masked_slots(mask)  # the scatter drops the out-of-range slot m
-        data = jax.tree.map(lambda x, y: x.at[slots].set(y, mode="drop"), self.data, items)
-        head = ring_add(self.head, total % m, m)
-        count = jnp.minimum(self.count, m - kept) + kept
-        return eqx.tree_at(lambda b: (b.data, b.head, b.count), self, (data, head, count))
+
+def apply(cb: _CB, fn: Callable[[PyTree[Array]], PyTree[Array]]) -> _CB:
+    """`fn` applied to every stored item (its output spec already checked)."""
+    new = jax.vmap(fn)(cb.data)
+    stored = stored_mask(cb)
+    data = jax.tree.map(
+        lambda n, o: jnp.where(stored.reshape((-1,) + (1,) * (o.ndim - 1)), n, o), new, cb.data
+    )
+    return eqx.tree_at(lambda b: b.data, cb, data)
+
+
+def write(cb: _CB, item: PyTree[Array]) -> tuple[_CB, Int[Array, ""]]:
+    """Push one item: `(buffer, the slot it went to)`."""
+    slot = cb.head
+    data = jax.tree.map(lambda x, y: x.at[slot].set(y), cb.data, item)
+    head = ring_add(slot, 1, cb.max_size)
+    count = jnp.minimum(cb.count + 1, cb.max_size)
+    return eqx.tree_at(lambda b: (b.data, b.head, b.count), cb, (data, head, count)), slot
+
+
+def write_batch(
+    cb: _CB, items: PyTree[Array], mask: Bool[Array, " n"] | None = None
+) -> tuple[_CB, Int[Array, " n"]]:
+    """Push the `n` items (those where `mask` holds), in order: `(buffer, slots)`.
+
+    `slots[j]` is the slot item `j` went to, or `max_size` (out of range) if it was masked
+    out or overwritten within the same push. The kept slots are distinct.
+    """
+    n = jax.tree.leaves(items)[0].shape[0]
+    m = cb.max_size
+    if mask is not None:
+        return _write_masked(cb, items, mask)
+    if n == 0:
+        return cb, jnp.zeros(0, jnp.int32)
+    # Of n pushes only the last k = min(n, m) survive; push j lands at offset j mod m from
+    # head (reduced in Python: static).
+    k = min(n, m)
+    kept = ring_add(cb.head, jnp.asarray(np.arange(n - k, n) % m, dtype=jnp.int32), m)
+    data = jax.tree.map(
+        lambda x, y: x.at[kept].set(y[n - k :], unique_indices=True, mode="promise_in_bounds"),
+        cb.data,
+        items,
+    )
+    head = ring_add(cb.head, n % m, m)
+    count = jnp.minimum(cb.count, m - k) + k
+    slots = jnp.concatenate([jnp.full(n - k, m, jnp.int32), kept])
+    return eqx.tree_at(lambda b: (b.data, b.head, b.count), cb, (data, head, count)), slots
+
+
+def _write_masked(
+    cb: _CB, items: PyTree[Array], mask: Bool[Array, " n"]
+) -> tuple[_CB, Int[Array, " n"]]:
+    """`write_batch` with a mask: the number of pushes is known only at run time."""
+    m = cb.max_size
+    rank = jnp.cumsum(mask, dtype=jnp.int32) - 1  # position among the valid items
+    total = jnp.sum(mask, dtype=jnp.int32)
+    kept = jnp.minimum(total, m)
+    # Like the unmasked path: of `total` pushes only the last `kept` survive; valid item r
+    # lands at offset r mod m from head.
+    survives = mask & (rank >= total - kept)
+    slots = jnp.where(survives, ring_add(cb.head, rank % m, m), m)
+    data = jax.tree.map(lambda x, y: x.at[slots].set(y, mode="drop"), cb.data, items)
+    head = ring_add(cb.head, total % m, m)
+    count = jnp.minimum(cb.count, m - kept) + kept
+    return eqx.tree_at(lambda b: (b.data, b.head, b.count), cb, (data, head, count)), slots

@@ -5,9 +5,16 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, ArrayLike, Bool, Float, Int, Real
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, Integer, Real
 
-from ._checks import check_float_dtype, check_mask, check_positive_int, check_vector
+from ._checks import (
+    check_faults,
+    check_float_dtype,
+    check_index,
+    check_mask,
+    check_positive_int,
+    check_vector,
+)
 
 
 _T = TypeVar("_T", bound="SumTree")
@@ -18,7 +25,7 @@ _T = TypeVar("_T", bound="SumTree")
 _BRANCHING = 8
 
 # Node ids must fit int32: 2**30 leaves need fewer than 1.25 * 2**30 nodes.
-_MAX_CAPACITY = 2**30
+MAX_CAPACITY = 2**30
 
 
 @functools.cache
@@ -83,7 +90,7 @@ class SumTree(eqx.Module):
         - `dtype`: `jnp.float32` (default) or `jnp.float64` (which needs
             `jax_enable_x64`). All leaves start at zero.
         """
-        self.capacity = check_positive_int(capacity, "SumTree(capacity=...)", maximum=_MAX_CAPACITY)
+        self.capacity = check_positive_int(capacity, "SumTree(capacity=...)", maximum=MAX_CAPACITY)
         dtype = check_float_dtype(dtype, "SumTree(dtype=...)")
         self.nodes = jnp.zeros(_layout(self.capacity)[1], dtype)
 
@@ -97,13 +104,19 @@ class SumTree(eqx.Module):
         """The `capacity` leaf values."""
         return self.nodes[: self.capacity]
 
-    def get(self, indices: Int[ArrayLike, "*s"]) -> Float[Array, "*s"]:
-        """The values of leaves `indices` (any shape; indices are clipped to the leaves)."""
-        return jnp.take(self.nodes, jnp.clip(jnp.asarray(indices), 0, self.capacity - 1))
+    def get(self, indices: Integer[ArrayLike, "*s"]) -> Float[Array, "*s"]:
+        """The values of leaves `indices` (an integer array of any shape, or a Python int).
+
+        **Raises:** an `eqx.error_if` error unless every index is in `[0, capacity)`.
+        """
+        call = "SumTree.get(indices)"
+        index, bad = check_index(indices, self.capacity, call)
+        message = f"`{call}`: index out of range; every index must satisfy 0 <= index < capacity"
+        return check_faults(jnp.take(self.nodes, index, mode="clip"), [(bad, message)])
 
     def set(
         self: _T,
-        indices: Int[ArrayLike, " n"],
+        indices: Integer[ArrayLike, " n"],
         values: Real[ArrayLike, " n"],
         *,
         mask: Bool[ArrayLike, " n"] | None = None,
@@ -131,27 +144,27 @@ class SumTree(eqx.Module):
         infinite or NaN (among the entries that `mask` keeps).
         """
         call = "SumTree.set"
-        index = check_vector(indices, None, call, "indices", kind="integer").astype(jnp.int32)
+        index, bad_index = check_index(indices, self.capacity, f"{call}(indices=...)", ndim=1)
         n = index.shape[0]
-        value = check_vector(values, n, call, "values", kind="real").astype(self.nodes.dtype)
+        value = check_vector(values, n, call, "values").astype(self.nodes.dtype)
         keep = None if mask is None else check_mask(mask, n, call)
         valid = jnp.ones(n, jnp.bool_) if keep is None else keep
-        bad_index = jnp.any(valid & ((index < 0) | (index >= self.capacity)))
-        bad_value = jnp.any(valid & ~(jnp.isfinite(value) & (value >= 0)))
         # Guard the scatter's operands (small, and the new tree cannot be built without them),
         # not the tree itself: threading the whole tree through a check could copy it.
-        index, value = eqx.branched_error_if(
+        index, value = check_faults(
             (index, value),
-            bad_index | bad_value,
-            # Under vmap the largest index over the batch picks the message, so a tree
-            # without a fault must give 0.
-            jnp.where(bad_index, 1, 0),
             [
-                f"`{call}`: values must be finite and non-negative",
-                f"`{call}`: index out of range; every index must satisfy 0 <= index < capacity",
+                (
+                    valid & bad_index,
+                    f"`{call}`: index out of range; every index must satisfy 0 <= index < capacity",
+                ),
+                (
+                    valid & ~(jnp.isfinite(value) & (value >= 0)),
+                    f"`{call}`: values must be finite and non-negative",
+                ),
             ],
         )
-        return self._set(index, value, mask=keep)
+        return set_leaves(self, index, value, mask=keep)
 
     def find(self, values: Real[ArrayLike, " n"]) -> Int[Array, " n"]:
         """For each value `u`, the leaf `i` whose interval `[prefix_i, prefix_i + leaf_i)`
@@ -170,108 +183,115 @@ class SumTree(eqx.Module):
 
         **Returns:** int32 leaf indices of shape `(n,)`, in `[0, capacity)`.
         """
-        values = check_vector(values, None, "SumTree.find", "values", kind="real")
-        return self._find(values.astype(self.nodes.dtype))
+        values = check_vector(values, None, "SumTree.find", "values")
+        return find_leaves(self, values.astype(self.nodes.dtype))
 
-    # Unchecked versions, for the replays that validate their own arguments.
 
-    def _set(
-        self: _T,
-        indices: Int[Array, " n"],
-        values: Float[Array, " n"],
-        *,
-        mask: Bool[Array, " n"] | None = None,
-        unique: bool = False,
-    ) -> _T:
-        """`set` without checks. Out-of-range and masked-out entries are dropped. `unique`
-        promises that the kept indices are distinct, which skips resolving duplicates.
+# ---------------------------------------------------------------------------------------------
+# Unchecked operations, for the replays that validate their own arguments.
 
-        If `indices` or `values` were computed from this same tree (a draw, its total), let
-        them pass through a check first, as `set` and `PrioritisedReplay` do: the check's
-        conditional orders those reads before the first write. Without it XLA may copy the
-        whole tree so that the old values stay readable.
-        """
-        n = indices.shape[0]
-        if n == 0:
-            return self
-        cap, k = self.capacity, _BRANCHING
-        offsets, num_nodes = _layout(cap)
-        keep = (indices >= 0) & (indices < cap)
-        if mask is not None:
-            keep = keep & mask
-        drop = jnp.where(keep, indices, num_nodes)  # num_nodes: out of range, dropped
-        if unique:
-            nodes = self.nodes.at[drop].set(values, mode="drop")
-        elif n <= _exact_positions(self.nodes.dtype):
-            # Resolve duplicates with the leaves about to be overwritten as scratch space: a
-            # scatter-min of -(position + 1) (exact in this float dtype, and below every leaf,
-            # as leaves are non-negative) leaves at each leaf the marker of its last
-            # occurrence. A scatter-min is order-independent, so this is deterministic on
-            # every backend, and several times faster than sorting the batch on CPU.
-            marker = -1 - jnp.arange(n, dtype=self.nodes.dtype)  # -(position + 1)
-            nodes = self.nodes.at[drop].min(marker, mode="drop")
-            last = jnp.take(nodes, drop, mode="fill", fill_value=0) == marker
-            nodes = nodes.at[jnp.where(last, drop, num_nodes)].set(values, mode="drop")
-        else:
-            # Too many entries for exact positions: stable sort by index (dropped entries
-            # last), then the last entry of each run of equal indices is the last occurrence.
-            key = jnp.where(keep, indices, cap)
-            order = jnp.argsort(key, stable=True)
-            indices, values = key[order], values[order]
-            last = jnp.append(indices[1:] != indices[:-1], True) & (indices < cap)
-            nodes = self.nodes.at[jnp.where(last, indices, num_nodes)].set(values, mode="drop")
-        if len(offsets) == 1:  # capacity 1: the leaf is the root
-            return eqx.tree_at(lambda t: t.nodes, self, nodes)
 
-        # Recompute each ancestor from its children, level by level. An ancestor reached by
-        # several entries is written several times with the same value, so the order of those
-        # writes does not matter; dropped entries recompute some ancestor, which is harmless.
-        # A loop over the levels rather than unrolled levels: a smaller program, and faster on
-        # CPU when measured (see `dejax_eqx/README.md`).
-        level_offsets = jnp.asarray(offsets, jnp.int32)
+def set_leaves(
+    tree: _T,
+    indices: Int[Array, " n"],
+    values: Float[Array, " n"],
+    *,
+    mask: Bool[Array, " n"] | None = None,
+    unique: bool = False,
+) -> _T:
+    """`SumTree.set` without checks. Out-of-range and masked-out entries are dropped. `unique`
+    promises that the kept indices are distinct, which skips resolving duplicates.
 
-        def level(lvl, carry):
-            nodes, node = carry
-            node = node // k
-            sums = jnp.sum(_rows(nodes, level_offsets[lvl - 1] + k * node), axis=1)
-            nodes = nodes.at[level_offsets[lvl] + node].set(sums, mode="promise_in_bounds")
-            return nodes, node
+    If `indices` or `values` were computed from this same tree (a draw, its total), let
+    them pass through a check first, as `SumTree.set` and `PrioritisedReplay` do: the check's
+    conditional orders those reads before the first write. Without it XLA may copy the
+    whole tree so that the old values stay readable.
+    """
+    n = indices.shape[0]
+    if n == 0:
+        return tree
+    cap, k = tree.capacity, _BRANCHING
+    offsets, num_nodes = _layout(cap)
+    keep = (indices >= 0) & (indices < cap)
+    if mask is not None:
+        keep = keep & mask
+    drop = jnp.where(keep, indices, num_nodes)  # num_nodes: out of range, dropped
+    if unique:
+        nodes = tree.nodes.at[drop].set(values, mode="drop")
+    elif n <= _exact_positions(tree.nodes.dtype):
+        # Resolve duplicates with the leaves about to be overwritten as scratch space: a
+        # scatter-min of -(position + 1) (exact in this float dtype, and below every leaf,
+        # as leaves are non-negative) leaves at each leaf the marker of its last
+        # occurrence. A scatter-min is order-independent, so this is deterministic on
+        # every backend, and several times faster than sorting the batch on CPU.
+        marker = -1 - jnp.arange(n, dtype=tree.nodes.dtype)  # -(position + 1)
+        nodes = tree.nodes.at[drop].min(marker, mode="drop")
+        last = jnp.take(nodes, drop, mode="fill", fill_value=0) == marker
+        nodes = nodes.at[jnp.where(last, drop, num_nodes)].set(values, mode="drop")
+    else:
+        # Too many entries for exact positions: stable sort by index (dropped entries
+        # last), then the last entry of each run of equal indices is the last occurrence.
+        key = jnp.where(keep, indices, cap)
+        order = jnp.argsort(key, stable=True)
+        indices, values = key[order], values[order]
+        last = jnp.append(indices[1:] != indices[:-1], True) & (indices < cap)
+        nodes = tree.nodes.at[jnp.where(last, indices, num_nodes)].set(values, mode="drop")
+    if len(offsets) == 1:  # capacity 1: the leaf is the root
+        return eqx.tree_at(lambda t: t.nodes, tree, nodes)
 
-        nodes, _ = jax.lax.fori_loop(1, len(offsets), level, (nodes, jnp.clip(indices, 0, cap - 1)))
-        return eqx.tree_at(lambda t: t.nodes, self, nodes)
+    # Recompute each ancestor from its children, level by level. An ancestor reached by
+    # several entries is written several times with the same value, so the order of those
+    # writes does not matter; dropped entries recompute some ancestor, which is harmless.
+    # A loop over the levels rather than unrolled levels: a smaller program, and faster on
+    # CPU when measured (see `dejax_eqx/README.md`).
+    level_offsets = jnp.asarray(offsets, jnp.int32)
 
-    def _find(self, values: Float[Array, " n"]) -> Int[Array, " n"]:
-        """`find` without checks."""
-        k = _BRANCHING
-        offsets, _ = _layout(self.capacity)
-        level_offsets = jnp.asarray(offsets, jnp.int32)
-        top = len(offsets) - 1
-        if top == 0:  # capacity 1: the leaf is the root
-            return jnp.zeros(values.shape, jnp.int32)
+    def level(lvl, carry):
+        nodes, node = carry
+        node = node // k
+        sums = jnp.sum(_rows(nodes, level_offsets[lvl - 1] + k * node), axis=1)
+        nodes = nodes.at[level_offsets[lvl] + node].set(sums, mode="promise_in_bounds")
+        return nodes, node
 
-        def descend(step, carry):
-            node, u = carry  # node at level top - step; u is relative to its first leaf
-            children = _rows(self.nodes, level_offsets[top - step - 1] + k * node)
-            # Take the first positive child whose range ends after u; if rounding put u past
-            # the end of every child, the last positive child. Either way a positive child: a
-            # positive node has one (its value is their sum), so the leaf reached is positive.
-            found = jnp.zeros(u.shape, jnp.bool_)
-            choice = last = jnp.zeros(u.shape, jnp.int32)
-            before = before_last = end = jnp.zeros_like(u)
-            for c in range(k):
-                x = children[:, c]
-                positive = x > 0
-                take = ~found & positive & (u < end + x)
-                choice = jnp.where(take, c, choice)
-                before = jnp.where(take, end, before)
-                found = found | take
-                last = jnp.where(positive, c, last)
-                before_last = jnp.where(positive, end, before_last)
-                end = end + x
-            choice = jnp.where(found, choice, last)
-            u = u - jnp.where(found, before, before_last)
-            return k * node + choice, u
+    nodes, _ = jax.lax.fori_loop(1, len(offsets), level, (nodes, jnp.clip(indices, 0, cap - 1)))
+    return eqx.tree_at(lambda t: t.nodes, tree, nodes)
 
-        node, _ = jax.lax.fori_loop(0, top, descend, (jnp.zeros(values.shape, jnp.int32), values))
-        # Only an all-zero tree can end on padding past the last leaf.
-        return jnp.minimum(node, self.capacity - 1)
+
+def find_leaves(tree: SumTree, values: Float[Array, " n"]) -> Int[Array, " n"]:
+    """`SumTree.find` without checks."""
+    k = _BRANCHING
+    offsets, _ = _layout(tree.capacity)
+    level_offsets = jnp.asarray(offsets, jnp.int32)
+    top = len(offsets) - 1
+    if top == 0:  # capacity 1: the leaf is the root
+        return jnp.zeros(values.shape, jnp.int32)
+
+    def descend(step, carry):
+        node, u = carry  # node at level top - step; u is relative to its first leaf
+        children = _rows(tree.nodes, level_offsets[top - step - 1] + k * node)
+        # Take the first positive child whose range ends after u; if rounding put u past
+        # the end of every child, the last positive child. Either way a positive child: a
+        # positive node has one (its value is their sum), so the leaf reached is positive.
+        found = jnp.zeros(u.shape, jnp.bool_)
+        choice = last = jnp.zeros(u.shape, jnp.int32)
+        before = before_last = end = jnp.zeros_like(u)
+        for c in range(k):
+            x = children[:, c]
+            positive = x > 0
+            take = ~found & positive & (u < end + x)
+            choice = jnp.where(take, c, choice)
+            before = jnp.where(take, end, before)
+            found = found | take
+            last = jnp.where(positive, c, last)
+            before_last = jnp.where(positive, end, before_last)
+            end = end + x
+        choice = jnp.where(found, choice, last)
+        u = u - jnp.where(found, before, before_last)
+        return k * node + choice, u
+
+    # The carry starts with the varying manual axes of both the tree and the values (inside
+    # `shard_map`, a loop's carry must keep its type, and the body mixes the two).
+    zero = jnp.zeros_like(values) + jnp.zeros_like(tree.total)
+    node, _ = jax.lax.fori_loop(0, top, descend, (zero.astype(jnp.int32), values + zero))
+    # Only an all-zero tree can end on padding past the last leaf.
+    return jnp.minimum(node, tree.capacity - 1)

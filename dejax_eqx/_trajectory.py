@@ -1,4 +1,4 @@
-from typing import Literal, TypeVar
+from typing import Literal, NamedTuple, TypeVar
 
 import equinox as eqx
 import jax
@@ -21,12 +21,12 @@ from jaxtyping import (
 from ._checks import (
     as_prototype,
     check_choice,
-    check_ids,
+    check_faults,
+    check_index,
     check_items,
     check_nonnegative_int,
     check_positive_int,
     count_ids,
-    error_if_any,
     Prototype,
     spec_of,
 )
@@ -44,6 +44,23 @@ _EMPTY: dict[Source, str] = {
         "last `reset_online_queue()`"
     ),
 }
+
+
+class SequenceSample(NamedTuple):
+    """What `TrajectoryBuffer.sample` and `sample_mixed` return: sequences and their mask.
+
+    A named tuple, so `sequences, mask = buf.sample(...)` unpacks it.
+
+    **Fields:**
+
+    - `items`: the sequences, with the prototype's structure; each leaf of shape
+        `(batch, T, *leaf_shape)`. Steps past the end of a window are zeros (`False` for
+        booleans).
+    - `mask`: boolean array of shape `(batch, T)`, `True` at the real stored steps.
+    """
+
+    items: PyTree[Shaped[Array, "batch seq ..."]]
+    mask: Bool[Array, "batch seq"]
 
 
 def _out_of_range(num_envs: int) -> str:
@@ -231,22 +248,21 @@ class TrajectoryBuffer(eqx.Module):
             data = jax.tree.map(lambda x, y: write(x, y, self.head), self.data, items)
             added = jnp.ones(self.num_envs, jnp.bool_)
             return self._advance(data, added)
-        ids = check_ids(env_ids, f"{call}(env_ids=...)", self.num_envs, ndim=1, length=n)
+        rows, bad = check_index(env_ids, self.num_envs, f"{call}(env_ids=...)", ndim=1, length=n)
         if n == 0:
             return self
-        in_range, counts = count_ids(ids, self.num_envs)
-        # An id out of range goes to row `num_envs` and is dropped, so a bad call writes
-        # nothing outside the arrays, whatever `EQX_ON_ERROR` says.
-        rows = jnp.where(in_range, ids, self.num_envs)
+        counts = count_ids(rows, self.num_envs)
+        # An id out of range is row `num_envs` and is dropped, so a bad call writes nothing
+        # outside the arrays, whatever `EQX_ON_ERROR` says.
         cursors = jnp.take(self.head, rows, mode="fill", fill_value=0)
         data = jax.tree.map(lambda x, y: x.at[rows, cursors].set(y, mode="drop"), self.data, items)
         new = self._advance(data, counts > 0)
         # The guard sits on the new cursors and lengths, outputs every later use depends on,
         # not on the storage (threading it through `error_if` could force a copy).
-        state = error_if_any(
+        state = check_faults(
             (new.head, new.replay_length, new.online_length),
             [
-                (~jnp.all(in_range), f"`{call}`: {_out_of_range(self.num_envs)}"),
+                (bad, f"`{call}`: {_out_of_range(self.num_envs)}"),
                 (
                     jnp.any(counts > 1),
                     f"`{call}`: an env id occurs more than once; each call adds at most one "
@@ -296,19 +312,19 @@ class TrajectoryBuffer(eqx.Module):
         """
         call = "TrajectoryBuffer.peek"
         if env_ids is None:
-            ids = jnp.arange(self.num_envs, dtype=jnp.int32)
+            rows = jnp.arange(self.num_envs, dtype=jnp.int32)
+            bad = jnp.zeros(self.num_envs, jnp.bool_)
         else:
-            ids = check_ids(env_ids, f"{call}(env_ids=...)", self.num_envs)
-        in_range = (ids >= 0) & (ids < self.num_envs)
-        rows = jnp.where(in_range, ids, 0)
+            rows, bad = check_index(env_ids, self.num_envs, f"{call}(env_ids=...)")
+        rows = jnp.where(bad, 0, rows)  # any row: the result is not used when one is bad
         slots = ring_sub(self.head[rows], 1, self.max_length)
         steps = jax.tree.map(lambda x: x[rows, slots], self.data)
-        return error_if_any(
+        return check_faults(
             steps,
             [
-                (~jnp.all(in_range), f"`{call}`: {_out_of_range(self.num_envs)}"),
+                (bad, f"`{call}`: {_out_of_range(self.num_envs)}"),
                 (
-                    jnp.any(in_range & (self.replay_length[rows] == 0)),
+                    ~bad & (self.replay_length[rows] == 0),
                     f"`{call}`: an env has no stored step yet; there is nothing to peek at",
                 ),
             ],
@@ -322,7 +338,7 @@ class TrajectoryBuffer(eqx.Module):
         *,
         distribution_power: Real[ArrayLike, ""] = 1.0,
         source: Source = "replay",
-    ) -> tuple[PyTree[Shaped[Array, "batch seq ..."]], Bool[Array, "batch seq"]]:
+    ) -> SequenceSample:
         """Draw `batch_size` sequences, with replacement, from the replay windows or the online
         queue.
 
@@ -341,10 +357,10 @@ class TrajectoryBuffer(eqx.Module):
             static argument of `eqx.filter_jit`).
         - `source`: `"replay"` (the default) or `"online"`.
 
-        **Returns:** `(sequences, mask)`. `sequences` has the prototype's structure, each leaf
-        of shape `(batch_size, T, *leaf_shape)`; `mask` is a boolean `(batch_size, T)` array,
-        `True` at the real steps. The masked steps of `sequences` are zeros (`False` for
-        booleans).
+        **Returns:** a `SequenceSample` `(items, mask)`. `items` has the prototype's structure,
+        each leaf of shape `(batch_size, T, *leaf_shape)`; `mask` is a boolean
+        `(batch_size, T)` array, `True` at the real steps. The masked steps of `items` are
+        zeros (`False` for booleans).
 
         **Raises:** `ValueError`/`TypeError` at once for bad `batch_size`, `sequence_length` or
         `source`; an `eqx.error_if` error if the chosen source is empty in every env, or if
@@ -357,10 +373,11 @@ class TrajectoryBuffer(eqx.Module):
         power = self._check_power(distribution_power, call)
         lengths = self.lengths(source)
         out = self._draw(key, lengths, batch_size, sequence_length, power)
-        return error_if_any(
+        out = check_faults(
             out,
             [_power_fault(power, call), (jnp.all(lengths == 0), f"`{call}`: {_EMPTY[source]}")],
         )
+        return SequenceSample(*out)
 
     def sample_mixed(
         self,
@@ -369,7 +386,7 @@ class TrajectoryBuffer(eqx.Module):
         online_batch_size: int,
         sequence_length: int,
         distribution_power: Real[ArrayLike, ""] = 1.0,
-    ) -> tuple[PyTree[Shaped[Array, "batch seq ..."]], Bool[Array, "batch seq"]]:
+    ) -> SequenceSample:
         """Sequences from the replay windows and from the online queue, in one batch.
 
         The same as sampling `replay_batch_size` sequences with `source="replay"` and
@@ -383,7 +400,7 @@ class TrajectoryBuffer(eqx.Module):
             A part of size zero is not sampled, so its source may be empty.
         - `sequence_length`, `distribution_power`: as in `sample`, for both parts.
 
-        **Returns:** `(sequences, mask)` with a leading axis of
+        **Returns:** a `SequenceSample` `(items, mask)` with a leading axis of
         `replay_batch_size + online_batch_size`.
 
         **Raises:** as `sample`, for each part of non-zero size.
@@ -413,7 +430,7 @@ class TrajectoryBuffer(eqx.Module):
             for source, size in sizes.items()
             if size > 0
         ]
-        return error_if_any(out, faults)
+        return SequenceSample(*check_faults(out, faults))
 
     def _check_sequence_length(self, sequence_length: int, call: str) -> int:
         name = f"{call}(sequence_length=...)"

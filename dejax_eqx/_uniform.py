@@ -7,8 +7,15 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Int, PRNGKeyArray, PyTree, Shaped
 
 from ._abstract import AbstractReplay
-from ._checks import as_prototype, check_positive_int, Prototype
-from ._storage import CircularBuffer
+from ._checks import (
+    as_prototype,
+    check_faults,
+    check_fn_output,
+    check_items,
+    check_positive_int,
+    Prototype,
+)
+from ._storage import apply, check_batch, CircularBuffer, gather, write, write_batch
 
 
 _U = TypeVar("_U", bound="UniformReplay")
@@ -64,29 +71,38 @@ class UniformReplay(AbstractReplay):
     def size(self) -> Int[Array, ""]:
         return self.storage.size
 
+    @property
+    def item_spec(self) -> PyTree[jax.ShapeDtypeStruct]:
+        return self.storage.item_spec
+
     def add(self: _U, item: PyTree[ArrayLike]) -> _U:
-        storage = self.storage._push(item, "UniformReplay.add")
-        return eqx.tree_at(lambda r: r.storage, self, storage)
+        item, _ = check_items(self.item_spec, item, "UniformReplay.add", batched=False)
+        return eqx.tree_at(lambda r: r.storage, self, write(self.storage, item)[0])
 
     def add_batch(
         self: _U, items: PyTree[ArrayLike], *, mask: Bool[ArrayLike, " n"] | None = None
     ) -> _U:
-        storage = self.storage._push_batch(items, "UniformReplay.add_batch", mask)
-        return eqx.tree_at(lambda r: r.storage, self, storage)
+        items, mask = check_batch(self.item_spec, items, mask, "UniformReplay.add_batch")
+        return eqx.tree_at(lambda r: r.storage, self, write_batch(self.storage, items, mask)[0])
 
     def sample(self, key: PRNGKeyArray, batch_size: int) -> PyTree[Shaped[Array, "batch ..."]]:
         batch_size = check_positive_int(batch_size, "UniformReplay.sample(batch_size=...)")
-        return eqx.error_if(
-            self._draw(key, batch_size),
-            self.storage.size == 0,
-            "cannot sample from an empty UniformReplay",
+        return check_faults(
+            self.sample_unchecked(key, batch_size),
+            [
+                (
+                    self.storage.size == 0,
+                    "`UniformReplay.sample`: cannot sample from an empty UniformReplay",
+                )
+            ],
         )
 
-    def _draw(self, key: PRNGKeyArray, batch_size: int) -> PyTree[Shaped[Array, "batch ..."]]:
-        index = jax.random.randint(key, (batch_size,), 0, self.storage.size, dtype=jnp.int32)
-        return self.storage._gather(index)
+    def sample_unchecked(
+        self, key: PRNGKeyArray, batch_size: int
+    ) -> PyTree[Shaped[Array, "batch ..."]]:
+        position = jax.random.randint(key, (batch_size,), 0, self.storage.size, dtype=jnp.int32)
+        return gather(self.storage, position)
 
     def update(self: _U, fn: Callable[[PyTree[Array]], PyTree[Array]]) -> _U:
-        return eqx.tree_at(
-            lambda r: r.storage, self, self.storage._update(fn, "UniformReplay.update")
-        )
+        check_fn_output(self.item_spec, fn, "UniformReplay.update")
+        return eqx.tree_at(lambda r: r.storage, self, apply(self.storage, fn))

@@ -84,7 +84,7 @@ def test_wrong_dtype_names_leaf_and_dtypes(buf_and_names):
 
 def test_python_scalar_that_does_not_fit():
     buf = dx.UniformReplay({"a": jnp.zeros((), jnp.int8)}, 2)
-    with pytest.raises(ValueError, match="does not fit the stored dtype int8"):
+    with pytest.raises(ValueError, match="the stored dtype int8 cannot hold exactly"):
         buf.add({"a": 300})
 
 

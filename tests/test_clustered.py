@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from dejax_eqx._storage import gather
 from hypothesis.stateful import initialize, invariant, precondition, rule, RuleBasedStateMachine
 
 from .helpers import (
@@ -45,7 +46,7 @@ _sample_n = eqx.filter_jit(lambda r, key, n: r.sample(key, n))  # n: a static Py
 @eqx.filter_jit
 def _cluster_contents(replay):
     """Every cluster's slots in logical order (oldest first), and the cluster sizes."""
-    slots = eqx.filter_vmap(lambda r: r.storage._gather(jnp.arange(r.max_size)))(replay.clusters)
+    slots = eqx.filter_vmap(lambda r: gather(r.storage, jnp.arange(r.max_size)))(replay.clusters)
     return slots, replay.cluster_sizes, replay.size
 
 
@@ -265,13 +266,17 @@ class IndexedReplay(dx.AbstractReplay):
     def add_batch(self, items, *, mask=None):
         return eqx.tree_at(lambda r: r.inner, self, self.inner.add_batch(items, mask=mask))
 
-    def sample(self, key, batch_size):
-        return eqx.error_if(self._draw(key, batch_size), self.size == 0, "empty")
+    @property
+    def item_spec(self):
+        return self.inner.item_spec
 
-    def _draw(self, key, batch_size):
+    def sample(self, key, batch_size):
+        return eqx.error_if(self.sample_unchecked(key, batch_size), self.size == 0, "empty")
+
+    def sample_unchecked(self, key, batch_size):
         index = jax.random.randint(key, (batch_size,), 0, self.size, dtype=jnp.int32)
         probability = jnp.full((batch_size,), 1.0) / self.size.astype(jnp.float32)
-        return Drawn(self.inner.storage._gather(index), index, probability)
+        return Drawn(gather(self.inner.storage, index), index, probability)
 
     def update(self, fn):
         return eqx.tree_at(lambda r: r.inner, self, self.inner.update(fn))

@@ -510,7 +510,7 @@ def test_vmapped_draw_from_empty_replays_does_not_raise():
         jnp.array([[True, True], [False, False], [True, False]]),
     )
     keys = jax.random.split(jax.random.key(0), 3)
-    s = eqx.filter_jit(eqx.filter_vmap(lambda r, k: r._draw(k, 4)))(replays, keys)
+    s = eqx.filter_jit(eqx.filter_vmap(lambda r, k: r.sample_unchecked(k, 4)))(replays, keys)
     probabilities = np.asarray(s.probabilities)
     assert np.isfinite(probabilities).all()
     assert (probabilities[1] == 0).all() and (probabilities[2] == 1).all()
