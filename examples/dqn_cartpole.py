@@ -2,10 +2,11 @@
 
 Everything on the hot path runs under `jax.lax.scan` in one `eqx.filter_jit(donate="all")` call per
 chunk: acting in a batch of environments, `replay.add_batch`, `replay.sample`, a Double DQN update
-and the target network's update. After every chunk (128 environment steps) Python evaluates the
-greedy policy on a batch of episodes in one jitted call, updates the progress bar, and stops as
-soon as the mean greedy return clears the bar, saying so. The step count on the bar is a cap, not
-a promise: CartPole is usually solved after a few thousand steps.
+and the target network's update. Between chunks (128 environment steps each) Python updates the
+progress bar and evaluates the greedy policy on a batch of episodes in one jitted call (after
+every chunk at first, then at growing intervals); it stops as soon as the mean greedy return
+clears the bar, and says so. The step count on the bar is a cap, not a forecast: CartPole is
+usually solved after a few thousand steps.
 
 Run: python examples/dqn_cartpole.py [--seed 0] [--max-seconds 60] [--smoke]
 
@@ -52,10 +53,14 @@ class Config:
     epsilon_end: float = 0.05
     epsilon_steps: int = 20_000  # environment steps over which epsilon decays linearly
     prefill_steps: int = 1_024  # random-policy environment steps before learning starts
-    # Iterations per jitted chunk; the greedy policy is evaluated after each. 16 iterations are
-    # 128 environment steps: a few dozen points on the learning curve before CartPole is solved,
-    # for a few percent of the run time (an evaluation costs about as much as a chunk).
+    # Iterations per jitted chunk: 16 are 128 environment steps, the finest spacing of the
+    # evaluations, which gives a few dozen points on the learning curve before CartPole is solved
+    # (typically after 3,000 to 5,000 steps).
     chunk_iterations: int = 16
+    # Evaluations are one chunk apart up to this many steps, then 1/32 of the step count apart (a
+    # 3% longer interval each time), so that in a long run evaluation stays a few percent of the
+    # work and the curve a hundred points or so.
+    dense_eval_steps: int = 4_096
     hidden_size: int = 128
     eval_episodes: int = 32
     target_return: float = 475.0  # CartPole-v1 caps an episode at 500
@@ -274,14 +279,11 @@ def make_train_functions(cfg: Config, replay_kind: ReplayKind, env: Any, env_par
             return state, (finished, loss)
 
         state, ((return_sum, episodes), loss) = filter_scan(body, state, cfg.chunk_iterations)
-        # NaN, not 0, for a chunk in which no training episode ended (a long episode can outlast
-        # a chunk): the plot leaves such chunks out.
-        num_episodes = jnp.sum(episodes)
+        # Sums, not means: the driver adds them up over the chunks between two evaluations.
         metrics = {
-            "train_return": jnp.where(
-                num_episodes > 0, jnp.sum(return_sum) / jnp.maximum(num_episodes, 1), jnp.nan
-            ),
-            "loss": jnp.mean(loss),
+            "return_sum": jnp.sum(return_sum),
+            "episodes": jnp.sum(episodes),
+            "loss_sum": jnp.sum(loss),
         }
         return state, metrics
 
@@ -329,7 +331,7 @@ def save_curve(
     path: str, history: list[dict[str, float]], cfg: Config, seed: int, outcome: str
 ) -> None:
     steps = [h["env_steps"] for h in history]
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = plt.subplots(figsize=(8, 5))
     ax.fill_between(
         steps, [h["eval_min"] for h in history], [h["eval_max"] for h in history], alpha=0.2
     )
@@ -339,19 +341,20 @@ def save_curve(
         ".-",
         label=f"greedy evaluation, {cfg.eval_episodes} episodes (mean, min-max)",
     )
-    # Chunks in which no training episode ended have no training return (NaN): left out, so that
-    # the line joins the chunks that have one.
+    # Evaluations with no training episode ended since the one before have no training return
+    # (NaN): left out, so that the line joins the others.
     trained = [h for h in history if math.isfinite(h["train_return"])]
     ax.plot(
         [h["env_steps"] for h in trained],
         [h["train_return"] for h in trained],
         ".-",
-        label="training episodes that ended in the chunk (epsilon-greedy, mean)",
+        label="training episodes ended since the last evaluation (epsilon-greedy, mean)",
     )
     ax.axhline(cfg.target_return, color="grey", linestyle="--", label=f"bar: {cfg.target_return:g}")
     ax.set(xlabel="environment steps", ylabel="episode return", ylim=(0, 510))
     ax.set_title(f"DQN on CartPole-v1 with dejax_eqx, seed {seed}\n{outcome}", fontsize=10)
-    ax.legend(loc="upper left", fontsize=8)
+    # Below the axes: a solved run ends top right, a struggling one can fill the top left.
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, fontsize=8, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -397,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg,
             prefill_steps=128,
             chunk_iterations=16,
+            dense_eval_steps=512,
             batch_size=32,
             eval_episodes=4,
             max_steps=512,
@@ -409,8 +413,10 @@ def main(argv: list[str] | None = None) -> int:
     state = prefill(init_state(cfg, replay_kind, env, env_params, key))
 
     history: list[dict[str, float]] = []
+    # Training statistics of the chunks since the last evaluation.
+    since = {"return_sum": 0.0, "episodes": 0, "loss_sum": 0.0, "iterations": 0}
 
-    def record(state: TrainState, metrics: dict[str, Array] | None) -> dict[str, float]:
+    def record(state: TrainState) -> dict[str, float]:
         nonlocal eval_key
         eval_key, k = jax.random.split(eval_key)
         returns = evaluate(state.q_net, k)
@@ -420,34 +426,54 @@ def main(argv: list[str] | None = None) -> int:
                 "eval_mean": float(jnp.mean(returns)),
                 "eval_min": float(jnp.min(returns)),
                 "eval_max": float(jnp.max(returns)),
-                "train_return": math.nan if metrics is None else float(metrics["train_return"]),
-                "loss": math.nan if metrics is None else float(metrics["loss"]),
+                # NaN where no training episode ended since the last evaluation (a long episode
+                # can outlast a chunk): the plot leaves those out.
+                "train_return": since["return_sum"] / since["episodes"]
+                if since["episodes"]
+                else math.nan,
+                "loss": since["loss_sum"] / since["iterations"]
+                if since["iterations"]
+                else math.nan,
             }
         )
+        since.update(return_sum=0.0, episodes=0, loss_sum=0.0, iterations=0)
         return history[-1]
 
     # The step count is a cap, not a forecast: the run stops as soon as it is solved (typically a
     # few thousand steps) or out of time, so the bar shows no percentage and no ETA.
+    stop_rule = "smoke run" if args.smoke else "stops when solved"
     bar = tqdm(
         total=cfg.max_steps,
         unit="step",
         unit_scale=True,
         desc=f"DQN seed {args.seed}",
-        bar_format="{desc}: {n_fmt} env steps (cap {total_fmt}; stops when solved) "
-        "[{elapsed}, {rate_fmt}{postfix}]",
+        bar_format="{desc}: {n_fmt} env steps (cap {total_fmt}; "
+        + stop_rule
+        + ") [{elapsed}, {rate_fmt}{postfix}]",
     )
     # Where the learning curve starts: the untrained network, after the random-policy prefill.
-    last = record(state, None)
+    last = record(state)
     bar.update(last["env_steps"])
     bar.set_postfix(eval=f"{last['eval_mean']:.1f}")
+    chunk_steps = cfg.chunk_iterations * cfg.num_envs
+    solved = False
     while True:
         state, metrics = train_chunk(state)
-        last = record(state, metrics)
-        bar.update(last["env_steps"] - bar.n)
-        bar.set_postfix(eval=f"{last['eval_mean']:.1f}", loss=f"{last['loss']:.3f}")
-        solved = not args.smoke and last["eval_mean"] >= cfg.target_return
+        since["return_sum"] += float(metrics["return_sum"])
+        since["episodes"] += int(metrics["episodes"])
+        since["loss_sum"] += float(metrics["loss_sum"])
+        since["iterations"] += cfg.chunk_iterations
+        steps = int(state.env_steps)
+        bar.update(steps - bar.n)
         out_of_time = time.perf_counter() - _START > args.max_seconds
-        if solved or out_of_time or last["env_steps"] >= cfg.max_steps:
+        at_cap = steps >= cfg.max_steps
+        interval = chunk_steps if steps <= cfg.dense_eval_steps else steps // 32
+        # The last chunk is always evaluated, so the final figure is the final network's.
+        if steps - last["env_steps"] >= interval or out_of_time or at_cap:
+            last = record(state)
+            bar.set_postfix(eval=f"{last['eval_mean']:.1f}", loss=f"{last['loss']:.3f}")
+            solved = not args.smoke and last["eval_mean"] >= cfg.target_return
+        if solved or out_of_time or at_cap:
             break
     bar.close()
 
@@ -480,8 +506,8 @@ def main(argv: list[str] | None = None) -> int:
         f"episodes{held_out} after {last['env_steps']} environment steps\n"
         f"wall time {wall:.1f} s, process CPU time {cpu:.1f} s (from process start, compilation "
         f"included), load average {load}\n"
-        f"learning curve ({len(history)} evaluations, one every "
-        f"{cfg.chunk_iterations * cfg.num_envs} env steps): {os.path.abspath(args.plot)}"
+        f"learning curve ({len(history)} evaluations, {chunk_steps} env steps apart up to "
+        f"{cfg.dense_eval_steps:,}, then 1/32 of the step count): {os.path.abspath(args.plot)}"
     )
     if args.smoke:
         print("smoke run: no learning threshold")

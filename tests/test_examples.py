@@ -43,7 +43,7 @@ def test_dqn_cartpole_smoke(tmp_path):
     # It says why it stopped, and it evaluated after the prefill and after each of the three
     # 128-step chunks up to its 512-step cap.
     assert "step cap reached: 512 env steps >= 512; stopping" in result.stdout
-    assert "learning curve (4 evaluations, one every 128 env steps)" in result.stdout
+    assert "learning curve (4 evaluations, 128 env steps apart" in result.stdout
     # The learning curve lands in the working directory.
     png = tmp_path / "dqn_cartpole.png"
     assert png.read_bytes().startswith(b"\x89PNG")
