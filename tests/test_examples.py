@@ -40,6 +40,10 @@ def test_dqn_cartpole_smoke(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert "seed 3: mean greedy return" in result.stdout
     assert "smoke run: no learning threshold" in result.stdout
+    # It says why it stopped, and it evaluated after the prefill and after each of the three
+    # 128-step chunks up to its 512-step cap.
+    assert "step cap reached: 512 env steps >= 512; stopping" in result.stdout
+    assert "learning curve (4 evaluations, 128 env steps apart" in result.stdout
     # The learning curve lands in the working directory.
     png = tmp_path / "dqn_cartpole.png"
     assert png.read_bytes().startswith(b"\x89PNG")
@@ -55,6 +59,7 @@ def test_dqn_cartpole_reports_failure(tmp_path):
     assert "FAILED: the mean greedy return did not reach 501 within 1 environment steps" in (
         result.stderr
     )
+    assert "step cap reached:" in result.stdout
 
 
 def test_quickstart(tmp_path):
