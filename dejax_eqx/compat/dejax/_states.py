@@ -65,7 +65,9 @@ class CircularBuffer(eqx.Module):
     @property
     def full(self) -> Bool[Array, "*c"]:
         """Whether `max_size` items are stored (the next push overwrites the oldest)."""
-        return self.module.is_full
+        # Not `module.is_full`: that is typed for one buffer, and this view also serves a
+        # stack of them (a clustered state's `cluster_state_batch.storage`).
+        return self.module.count == self.module.max_size
 
 
 class UniformReplayBufferState(eqx.Module):
@@ -149,9 +151,10 @@ def module_of(state: Any, expected: type | tuple[type, ...], call: str) -> Any:
     """
     module = state.module if isinstance(state, State) else state
     if not isinstance(module, expected):
+        made_by = "`circular_buffer.init`" if expected is EqxCircularBuffer else "an `init_fn`"
         raise TypeError(
-            f"`{call}` takes a state made by this module's `init_fn`/`init`, got "
-            f"{type(state).__name__}."
+            f"`{call}` takes a state made by {made_by} of this module (or the dejax_eqx module "
+            f"behind one), got {type(state).__name__}."
         )
     return module
 
