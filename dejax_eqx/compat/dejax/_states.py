@@ -138,8 +138,8 @@ def state_of(module: Any) -> State:
         make = _STATE_OF[type(module)]
     except KeyError:
         raise TypeError(
-            "dejax_eqx.compat.dejax: a state is made from a dx.UniformReplay, "
-            f"dx.ClusteredReplay or dx.CircularBuffer, got {type(module).__name__}."
+            "dejax_eqx.compat.dejax has states of a dx.UniformReplay, dx.ClusteredReplay or "
+            f"dx.CircularBuffer only, not of a {type(module).__name__}."
         ) from None
     return make(module)
 

@@ -52,7 +52,10 @@ def buffer_of(replay: Any) -> ReplayBuffer:
             replay.cluster_fn,
             replay.distribution_power,
         )
-    raise TypeError(f"no dejax buffer makes a state of {type(replay).__name__}.")
+    raise TypeError(
+        f"no buffer of dejax_eqx.compat.dejax makes a state of {type(replay).__name__}, so a "
+        "clustered state of it has no `cluster_buffer`."
+    )
 
 
 def clustered_replay(
