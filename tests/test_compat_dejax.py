@@ -305,6 +305,7 @@ def test_uniform_eager_sample_error():
 EXAMPLES = {
     "uniform_replay": lambda: dejax.uniform_replay.__doc__,
     "clustered_replay": lambda: dejax.clustered_replay.__doc__,
+    "circular_buffer.CircularBuffer": lambda: dejax.circular_buffer.CircularBuffer.__doc__,
 }
 
 
