@@ -259,15 +259,16 @@ def test_clustered_sampling_takes_any_batch_size():
     assert batch["step"].shape == (3,)
 
 
-def test_clustered_state_is_a_clustered_replay_with_the_power():
+def test_clustered_state_holds_a_clustered_replay_with_the_power():
     buffer = dejax.clustered_replay(3, dejax.uniform_replay(4), clustering_fn, 1.0)
     state = jax.jit(buffer.update_fn, static_argnums=1)(
         buffer.add_batch_fn(buffer.init_fn(PROTO), make_items(0, 5)),
         lambda item: {"obs": item["obs"], "step": item["step"] + 100},
     )
-    assert isinstance(state, dx.ClusteredReplay) and state.distribution_power == 1.0
-    assert state.cluster_sizes.tolist() == [3, 2, 0]
-    assert sorted(np.asarray(state.clusters.storage.data["step"])[:2, :2].ravel()) == [
+    replay = state.module
+    assert isinstance(replay, dx.ClusteredReplay) and replay.distribution_power == 1.0
+    assert replay.cluster_sizes.tolist() == [3, 2, 0]
+    assert sorted(np.asarray(replay.clusters.storage.data["step"])[:2, :2].ravel()) == [
         100,
         101,
         102,
@@ -304,6 +305,7 @@ def test_uniform_eager_sample_error():
 EXAMPLES = {
     "uniform_replay": lambda: dejax.uniform_replay.__doc__,
     "clustered_replay": lambda: dejax.clustered_replay.__doc__,
+    "circular_buffer.CircularBuffer": lambda: dejax.circular_buffer.CircularBuffer.__doc__,
 }
 
 

@@ -11,6 +11,7 @@ from jaxtyping import Array, ArrayLike, Int, PRNGKeyArray, PyTree
 
 from ..._abstract import AbstractReplay
 from ..._checks import is_concrete
+from ._states import module_of, REPLAYS, State, state_of
 
 
 ReplayBufferState = Any
@@ -76,32 +77,33 @@ def as_jax(tree: PyTree) -> PyTree:
     )
 
 
-def _size_fn(state: AbstractReplay) -> Int[Array, ""]:
-    return state.size
+def _size_fn(state: State | AbstractReplay) -> Int[Array, ""]:
+    return module_of(state, REPLAYS, "size_fn").size
 
 
-def _add_fn(state: AbstractReplay, item: Item) -> AbstractReplay:
-    return state.add(as_jax(item))
+def _add_fn(state: State | AbstractReplay, item: Item) -> State:
+    return state_of(module_of(state, REPLAYS, "add_fn").add(as_jax(item)))
 
 
-def _add_batch_fn(state: AbstractReplay, item_batch: ItemBatch) -> AbstractReplay:
-    return state.add_batch(as_jax(item_batch))
+def _add_batch_fn(state: State | AbstractReplay, item_batch: ItemBatch) -> State:
+    return state_of(module_of(state, REPLAYS, "add_batch_fn").add_batch(as_jax(item_batch)))
 
 
-def _sample_fn(state: AbstractReplay, rng: PRNGKeyArray, batch_size: int) -> Any:
-    size = state.size
+def _sample_fn(state: State | AbstractReplay, rng: PRNGKeyArray, batch_size: int) -> Any:
+    replay = module_of(state, REPLAYS, "sample_fn")
+    size = replay.size
     # Eagerly, the error dejax raised (through `checkify.check`); under a transformation the
     # module's own `eqx.error_if` reports it.
     if is_concrete(size) and int(size) == 0:
         raise ValueError("Cannot sample from an empty buffer")
-    return state.sample(rng, batch_size)
+    return replay.sample(rng, batch_size)
 
 
-def _update_fn(state: AbstractReplay, item_update_fn: ItemUpdateFn) -> AbstractReplay:
-    return state.update(item_update_fn)
+def _update_fn(state: State | AbstractReplay, item_update_fn: ItemUpdateFn) -> State:
+    return state_of(module_of(state, REPLAYS, "update_fn").update(item_update_fn))
 
 
-def replay_buffer(init_fn: Callable[[Item], AbstractReplay]) -> ReplayBuffer:
+def replay_buffer(init_fn: Callable[[Item], State]) -> ReplayBuffer:
     """The dejax functions of a replay whose state `init_fn` builds."""
     # Module-level functions: the same objects for every buffer, so jitted code that takes a
     # `ReplayBuffer` as an argument retraces only for a new `init_fn`.
@@ -113,3 +115,20 @@ def replay_buffer(init_fn: Callable[[Item], AbstractReplay]) -> ReplayBuffer:
         sample_fn=_sample_fn,
         update_fn=_update_fn,
     )
+
+
+def make_default_add_batch_fn(
+    add_fn: Callable[[ReplayBufferState, Item], ReplayBufferState],
+) -> Callable[[ReplayBufferState, ItemBatch], ReplayBufferState]:
+    """An `add_batch_fn` that adds the items of a batch one by one with `add_fn`.
+
+    For buffers written on top of dejax's `ReplayBuffer`: the batch's leading axis is scanned
+    over, so `add_fn` is traced once. The buffers of this module do not use it; their
+    `add_batch_fn` is one vectorised write.
+    """
+
+    def add_batch_fn(state: ReplayBufferState, item_batch: ItemBatch) -> ReplayBufferState:
+        state, _ = jax.lax.scan(lambda s, item: (add_fn(s, item), None), state, item_batch)
+        return state
+
+    return add_batch_fn

@@ -1,15 +1,61 @@
 """dejax's `clustered_replay`: one replay per cluster, on `dx.ClusteredReplay`."""
 
+import dataclasses
 from collections.abc import Callable
+from typing import Any
 
+from ... import ClusteredReplay, UniformReplay
 from ..._abstract import AbstractReplay
 from ..._checks import check_finite_float, check_positive_int
-from ..._clustered import ClusteredReplay
+from ._states import (
+    ClusteredReplayBufferState as ClusteredReplayBufferState,
+    State,
+)
 from .base import Item, replay_buffer, ReplayBuffer
+from .uniform import uniform_replay
 
 
-# The state `clustered_replay(...).init_fn` returns.
-ClusteredReplayBufferState = ClusteredReplay
+@dataclasses.dataclass(frozen=True)
+class _Init:
+    # A value rather than a closure, as `uniform.py`'s: equal arguments give equal buffers.
+    # The clusters' `init_fn` is kept, not their `ReplayBuffer` (whose `Partial`s hash by
+    # identity), so equality and hashing agree.
+    num_clusters: int
+    cluster_init_fn: Callable[[Item], State]
+    clustering_fn: Callable
+    distribution_power: float
+
+    def __call__(self, item_prototype: Item) -> ClusteredReplayBufferState:
+        state = self.cluster_init_fn(item_prototype)
+        inner = state.module if isinstance(state, State) else state
+        if not isinstance(inner, AbstractReplay):
+            raise TypeError(
+                "`clustered_replay`: `cluster_buffer.init_fn` returned a "
+                f"{type(state).__name__}, not a dejax_eqx replay; clusters must be buffers made "
+                "by `uniform_replay` or `clustered_replay` of this module."
+            )
+        replay = ClusteredReplay(
+            inner, self.num_clusters, self.clustering_fn, self.distribution_power
+        )
+        return ClusteredReplayBufferState(replay)
+
+
+def buffer_of(replay: Any) -> ReplayBuffer:
+    """The `ReplayBuffer` whose `init_fn` makes states like `replay`'s (its static fields only
+    are read, so a stack of replays gives the buffer of one)."""
+    if isinstance(replay, UniformReplay):
+        return uniform_replay(replay.max_size)
+    if isinstance(replay, ClusteredReplay):
+        return clustered_replay(
+            replay.num_clusters,
+            buffer_of(replay.clusters),
+            replay.cluster_fn,
+            replay.distribution_power,
+        )
+    raise TypeError(
+        f"no buffer of dejax_eqx.compat.dejax makes a state of {type(replay).__name__}, so a "
+        "clustered state of it has no `cluster_buffer`."
+    )
 
 
 def clustered_replay(
@@ -21,9 +67,13 @@ def clustered_replay(
     """`num_clusters` copies of `cluster_buffer`; `clustering_fn(item)` picks each item's.
 
     A draw picks non-empty cluster `c` with probability proportional to
-    `size_c ** distribution_power`, then an item from it; every `batch_size` works. The state
-    is a `dx.ClusteredReplay`, whose docs give the details. `clustering_fn` must return an int
-    scalar in `[0, num_clusters)`: an id out of range is an error (dejax dropped the item).
+    `size_c ** distribution_power`, then an item from it; every `batch_size` works.
+    `clustering_fn` must return an int scalar in `[0, num_clusters)`: an id out of range is an
+    error (dejax dropped the item).
+
+    The state is a `ClusteredReplayBufferState` with dejax's fields (`cluster_state_batch`:
+    the clusters' states stacked; `cluster_buffer`, `clustering_fn`, `distribution_power`), and
+    the `dx.ClusteredReplay` behind it as `module`, whose docs give the details.
 
     !!! Example
 
@@ -42,6 +92,7 @@ def clustered_replay(
         state = buffer.add_batch_fn(state, {"reward": jnp.asarray([0.0, 0.0, 1.0])})
         batch = buffer.sample_fn(state, jax.random.key(0), 3)
         assert int(buffer.size_fn(state)) == 3 and batch["reward"].shape == (3,)
+        assert state.cluster_state_batch.storage.head.tolist() == [2, 1]  # per cluster
         ```
     """
     num_clusters = check_positive_int(num_clusters, "clustered_replay(num_clusters=...)")
@@ -59,14 +110,9 @@ def clustered_replay(
         distribution_power, "clustered_replay(distribution_power=...)"
     )
 
-    def init_fn(item_prototype: Item) -> ClusteredReplay:
-        inner = cluster_buffer.init_fn(item_prototype)
-        if not isinstance(inner, AbstractReplay):
-            raise TypeError(
-                "`clustered_replay`: `cluster_buffer.init_fn` returned a "
-                f"{type(inner).__name__}, not a dejax_eqx replay; clusters must be buffers made "
-                "by `uniform_replay` or `clustered_replay` of this module."
-            )
-        return ClusteredReplay(inner, num_clusters, clustering_fn, distribution_power)
-
-    return replay_buffer(init_fn)
+    # dejax called `cluster_buffer.init_fn` once per cluster; it is called once here, and the
+    # state it returns is the template of every cluster.
+    cluster_init_fn = cluster_buffer.init_fn
+    if not cluster_init_fn.args and not cluster_init_fn.keywords:
+        cluster_init_fn = cluster_init_fn.func  # compared by value where it is one of ours
+    return replay_buffer(_Init(num_clusters, cluster_init_fn, clustering_fn, distribution_power))
