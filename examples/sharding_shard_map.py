@@ -68,9 +68,6 @@ def make_step(mesh: jax.sharding.Mesh, batch_size: int):
         mesh=mesh,
         in_specs=(P("devices"), P("devices"), P()),
         out_specs=P("devices"),
-        # `sample` refuses an empty buffer with `eqx.error_if`, which does not yet pass
-        # shard_map's check of varying manual axes (equinox PR #1262), so the check is off.
-        check_vma=False,
     )
     return eqx.filter_jit(per_device, donate="all")
 
