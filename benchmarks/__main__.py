@@ -1,6 +1,162 @@
-"""`python -m benchmarks`: the whole harness (see `benchmarks/run.py`)."""
+"""`python -m benchmarks`: every workload, every system, ratios from one run.
 
-from .run import main
+Run from the repository root (needs the `benchmarks` extra: `pip install -e '.[benchmarks]'`):
+
+    python -m benchmarks              # the full run
+    python -m benchmarks --quick      # a smoke run: every code path at tiny sizes (what CI runs)
+    python -m benchmarks --only W5    # some workloads only
+    python -m benchmarks --out DIR    # results elsewhere than benchmarks/results/
+
+Each (workload, system, size) runs in a fresh Python process (`--worker`), so systems share no
+compilation cache, allocator state or thread pool. Inside it: one call to compile and warm up,
+then `repeats` timed calls; the table gives the median with the min and max. Results go to
+`--out`: `results.json` (with the machine and its load average), `results.md`, `results.png`.
+
+Systems: `dejax_eqx`; `flashbax` 0.1.3; `raw`, the floor: the same work written directly in
+`jax.numpy` (preallocated arrays, a ring index, `.at[].set` scatters and gathers, no checks);
+`dejax` 0.1.3 where it is installed (its failure is recorded otherwise). Item: `{"obs":
+f32[128], "action": i32[], "reward": f32[], "done": bool[]}` unless a workload says otherwise.
+
+| id | workload (module) | unit |
+|---|---|---|
+| W1 | add_batch 256 per step, 2,000 steps in a jitted scan; capacity 100k, 1M (uniform) | items/s |
+| W2 | sample 256 per step from a full 100k buffer, 2,000 steps in a scan (uniform) | items/s |
+| W3 | Python loop of 2,000 donated jitted steps: add 64, sample 256; 100k (uniform) | µs/step |
+| W4 | capacity 1M (~0.5 GB), 200 donated W3 steps (uniform) | peak RSS / buffer bytes |
+| W5 | sample 64 windows of 32 steps from 64 streams of 1k/4k/16k steps (trajectory) | µs/sample |
+| W6 | PrioritisedReplay 1M: sample 256 + set_priorities 256 per step (prioritised) | steps/s |
+"""
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from . import _harness as h, prioritised, trajectory, uniform
 
 
-main()
+WORKLOADS = {
+    "W1": uniform.w1,
+    "W2": uniform.w2,
+    "W3": uniform.w3,
+    "W4": uniform.w4,
+    "W5": trajectory.w5,
+    "W6": prioritised.w6,
+}
+
+
+def plan(quick: bool) -> list[tuple[str, str, int, int, int]]:
+    """`(workload, system, size, steps, repeats)` of every measurement, in table order."""
+    if quick:  # every code path, tiny sizes, one timed repeat: a smoke test, not a measurement
+        return [
+            *[("W1", s, 10_000, 20, 1) for s in ("dejax_eqx", "raw", "flashbax", "dejax")],
+            *[("W2", s, 10_000, 20, 1) for s in ("dejax_eqx", "raw", "flashbax", "dejax")],
+            *[
+                ("W3", s, 10_000, 20, 1)
+                for s in (
+                    "dejax_eqx",
+                    "dejax_eqx jax.jit",
+                    "dejax_eqx jax.jit, EQX_ON_ERROR=nan",
+                    "raw",
+                    "raw filter_jit",
+                    "flashbax",
+                )
+            ],
+            ("W4", "dejax_eqx", 10_000, 5, 1),
+            *[
+                ("W5", s, 1024, 5, 1)
+                for s in (
+                    "dejax_eqx",
+                    "raw",
+                    "flashbax",
+                    "gist",
+                    "dejax_eqx, obs f32[16]",
+                    "raw, obs f32[16]",
+                )
+            ],
+            *[
+                ("W6", s, 10_000, 20, 1)
+                for s in ("dejax_eqx", "dejax_eqx stratified", "flashbax", "raw")
+            ],
+        ]
+    r = 5
+    return [
+        *[("W1", s, 100_000, 2000, r) for s in ("dejax_eqx", "raw", "flashbax", "dejax")],
+        *[("W1", s, 1_000_000, 2000, r) for s in ("dejax_eqx", "raw", "flashbax")],
+        *[("W2", s, 100_000, 2000, r) for s in ("dejax_eqx", "raw", "flashbax", "dejax")],
+        *[
+            ("W3", s, 100_000, 2000, r)
+            for s in (
+                "dejax_eqx",
+                "dejax_eqx jax.jit",
+                "dejax_eqx jax.jit, EQX_ON_ERROR=nan",
+                "raw",
+                "raw filter_jit",
+                "flashbax",
+            )
+        ],
+        *[("W4", s, 1_000_000, 200, 1) for s in ("dejax_eqx", "dejax_eqx jax.jit", "flashbax")],
+        *[
+            ("W5", s, m, 200, r)
+            for m in (1024, 4096, 16384)
+            for s in (
+                "dejax_eqx",
+                "raw",
+                "flashbax",
+                "dejax_eqx, obs f32[16]",
+                "raw, obs f32[16]",
+                "flashbax, obs f32[16]",
+            )
+        ],
+        ("W5", "gist", 1024, 3, 3),
+        *[
+            ("W6", s, c, 1000, r)
+            for c in (1_000_000, 100_000, 10_000)
+            for s in (
+                "dejax_eqx",
+                "raw",
+                *(("dejax_eqx stratified", "flashbax") if c == 1_000_000 else ()),
+            )
+        ],
+    ]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Replay-buffer benchmarks (see module doc).")
+    parser.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, 1 repeat")
+    parser.add_argument("--only", nargs="*", help="workload ids to run, e.g. W1 W3")
+    parser.add_argument("--out", type=Path, default=h.ROOT / "benchmarks" / "results")
+    parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        workload, system, size, steps, repeats = args.worker
+        run = WORKLOADS[workload]
+        print(json.dumps(run(h.worker_system(system), int(size), int(steps), int(repeats))))
+        return
+    unknown = set(args.only or ()) - set(WORKLOADS)
+    if unknown:
+        parser.error(f"unknown workload(s) {sorted(unknown)}; choose from {list(WORKLOADS)}")
+
+    runs = [p for p in plan(args.quick) if not args.only or p[0] in args.only]
+    machine = h.machine()
+    print(f"{len(runs)} measurements; {machine}", flush=True)
+    results = []
+    start = time.perf_counter()
+    for workload, system, size, steps, repeats in runs:
+        t = time.perf_counter()
+        r = h.run_one(workload, system, size, steps, repeats)
+        row = {"workload": workload, "system": system, "size": size, "steps": steps}
+        row |= {"error": r["error"]} if "error" in r else {**h.summary(r["values"]), **r}
+        results.append(row)
+        shown = row.get("error") or f"{row['median']:.4g} {row['unit']}"
+        print(f"  {workload} {system} {size:,}: {shown} ({time.perf_counter() - t:.0f} s)")
+    machine["load_after"] = h.load_average()
+    machine["seconds"] = round(time.perf_counter() - start)
+    table = h.write_results(args.out, machine, args.quick, results)
+    print()
+    print(table)
+    print(f"written to {args.out}/results.{{json,md,png}} in {machine['seconds']} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,325 @@
+"""What every workload shares: items, timing, the per-measurement subprocess, machine info and
+the written results. Workload modules import this module; nothing here imports them.
+
+Timing comes in two shapes, and a workload must pick the one that matches what it times:
+
+- `time_steps(step, state, repeats)`: `state = step(state, key)`, for work that changes the
+  state (adds, priority updates). `step` must donate its state, or every call also copies it.
+- `time_reads(read, state, repeats)`: `read(state, key)` on the same state every call, for work
+  that only reads it (sampling). `sampling_scan` builds such a `read`: `steps` samples in one
+  jitted `lax.scan`, returning one scalar. The state is an argument that is neither returned nor
+  donated, so XLA reads it in place. Returning it instead (to thread it through `time_steps`)
+  makes XLA copy every leaf into a fresh output buffer on each call, which is what inflated W5's
+  floor with max_length before this module existed.
+"""
+
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+OBS_DIM = 128
+ROOT = Path(__file__).resolve().parent.parent
+
+# ---------------------------------------------------------------------------------------------
+# Items
+
+
+def generate(key, n: int, obs_dim: int = OBS_DIM) -> dict[str, jax.Array]:
+    """`n` random items `{"obs": f32[obs_dim], "action": i32[], "reward": f32[], "done":
+    bool[]}`, stacked on a leading axis (traceable: fills generate their chunks in the loop)."""
+    k1, k2 = jax.random.split(key)
+    return {
+        "obs": jax.random.normal(k1, (n, obs_dim), jnp.float32),
+        "action": jnp.arange(n, dtype=jnp.int32) % 7,
+        "reward": jax.random.uniform(k2, (n,), jnp.float32),
+        "done": jnp.arange(n) % 100 == 0,
+    }
+
+
+def items(n: int, seed: int = 0, obs_dim: int = OBS_DIM) -> dict[str, jax.Array]:
+    """`generate`, jitted, from a fixed seed."""
+    return jax.jit(generate, static_argnums=(1, 2))(jax.random.key(seed), n, obs_dim)
+
+
+def prototype(obs_dim: int = OBS_DIM) -> dict[str, jax.Array]:
+    """One item of the shape `generate` makes."""
+    return {
+        "obs": jnp.zeros(obs_dim, jnp.float32),
+        "action": jnp.zeros((), jnp.int32),
+        "reward": jnp.zeros((), jnp.float32),
+        "done": jnp.zeros((), jnp.bool_),
+    }
+
+
+def consume(tree) -> jax.Array:
+    """A scalar that depends on every sampled value, so no sample is optimised away."""
+    return sum(jnp.sum(x.astype(jnp.float32)) for x in jax.tree.leaves(tree))
+
+
+def ring_slots(head, n: int, capacity: int) -> jax.Array:
+    """The `n` slots a ring of `capacity` writes next from `head` (the raw floor's adds)."""
+    return (head + jnp.arange(n, dtype=jnp.int32)) % capacity
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+
+
+def time_steps(step: Callable[[Any, Any], Any], state, repeats: int) -> list[float]:
+    """Seconds of each of `repeats` calls `state = step(state, key)`, after one call to compile
+    and warm up. `step` should donate `state` (see the module docstring)."""
+    # Two warm-up calls: a step may return a state whose types differ from the one it was
+    # given (flashbax's prioritised state holds a weakly typed scalar that its first step
+    # makes strong), and the second call then compiles again.
+    for k in (0, 1):
+        state = jax.block_until_ready(step(state, jax.random.key(k)))
+    seconds = []
+    for r in range(repeats):
+        start = time.perf_counter()
+        state = jax.block_until_ready(step(state, jax.random.key(2 + r)))
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def time_reads(read: Callable[[Any, Any], Any], state, repeats: int) -> list[float]:
+    """Seconds of each of `repeats` calls `read(state, key)` on the same `state`, after one call
+    to compile and warm up."""
+    jax.block_until_ready(read(state, jax.random.key(1)))
+    seconds = []
+    for r in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(read(state, jax.random.key(2 + r)))
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def sampling_scan(sample: Callable[[Any, Any], Any], steps: int) -> Callable[[Any, Any], Any]:
+    """`read(state, key) -> f32[]`: `steps` calls `sample(state, key_i)` in one jitted scan,
+    every sampled leaf summed into the result. Time it with `time_reads`."""
+
+    @jax.jit
+    def read(state, key):
+        def body(total, key):
+            return total + consume(sample(state, key)), None
+
+        return jax.lax.scan(body, jnp.zeros(()), jax.random.split(key, steps))[0]
+
+    return read
+
+
+# ---------------------------------------------------------------------------------------------
+# One measurement per process
+
+
+_SETTING = r"[A-Z][A-Z0-9_]*=\S+"  # an environment variable in a system's name
+
+
+def run_one(workload: str, system: str, size: int, steps: int, repeats: int) -> dict:
+    """Run `python -m benchmarks --worker ...` in a fresh process and return what the workload
+    returned, or `{"error": ...}` if it failed (dejax on a new JAX).
+
+    A trailing `, NAME=value` in `system` (`"dejax_eqx jax.jit, EQX_ON_ERROR=nan"`) is set in
+    the worker's environment, since libraries read such variables when they are imported.
+    """
+    env = dict(os.environ)
+    setting = re.search(rf", ({_SETTING})$", system)
+    if setting:
+        name, value = setting[1].split("=", 1)
+        env[name] = value
+    command = [sys.executable, "-m", "benchmarks", "--worker"]
+    command += [workload, system, str(size), str(steps), str(repeats)]
+    out = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env)
+    if out.returncode != 0:
+        # The exception line: the last one that names an error, else the last line.
+        lines = [line for line in out.stderr.strip().splitlines() if line.strip()]
+        named = [line for line in lines if re.match(r"^[\w.]+(Error|Exception)\b", line)]
+        return {"error": (named or lines or [f"exit status {out.returncode}"])[-1]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def worker_system(system: str) -> str:
+    """`system` without the environment setting that `run_one` applied."""
+    return re.sub(rf", {_SETTING}$", "", system)
+
+
+# ---------------------------------------------------------------------------------------------
+# Machine
+
+
+def load_average() -> str:
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def machine() -> dict:
+    """What the numbers depend on, and how busy the machine was when the run started."""
+    return {
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "cores_usable": len(os.sched_getaffinity(0)),
+        "backend": jax.default_backend(),
+        "device": str(jax.devices()[0]),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        **{p: _version(p) for p in ("jax", "jaxlib", "equinox", "flashbax", "dejax_eqx", "dejax")},
+        "load_before": load_average(),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Results
+
+
+def summary(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def higher_is_better(unit: str) -> bool:
+    """Rates (`items/s`, `steps/s`) are better high; times and memory are better low."""
+    return unit.endswith("/s")
+
+
+def _fmt(x: float) -> str:
+    if abs(x) >= 100:
+        return f"{x:,.0f}"
+    return f"{x:.3g}"
+
+
+def _reference(rows: list[dict], r: dict, ref: str) -> dict | None:
+    """The row of system `ref` at the size of `r`, in the same variant: a variant of the
+    workload (`"dejax_eqx, obs f32[16]"`) is compared with the reference's same variant only
+    (`"raw, obs f32[16]"`), one of the environment (`"..., EQX_ON_ERROR=nan"`) with the plain
+    reference."""
+    variant = r["system"].partition(", ")[2]
+    if not variant:
+        names = [ref]
+    elif re.fullmatch(_SETTING, variant):
+        names = [f"{ref}, {variant}", ref]
+    else:
+        names = [f"{ref}, {variant}"]
+    for name in names:
+        for b in rows:
+            if b["system"] == name and b["size"] == r["size"] and "error" not in b:
+                return b
+    return None
+
+
+def ratio(r: dict, base: dict) -> float:
+    """How much better `r` is than `base` (above 1: better), whatever the unit."""
+    a, b = r["median"], base["median"]
+    return a / b if higher_is_better(r["unit"]) else b / a
+
+
+def _workloads(results: list[dict]) -> list[str]:
+    return list(dict.fromkeys(r["workload"] for r in results))
+
+
+def report(results: list[dict]) -> str:
+    """Markdown tables: median [min, max], and ratios against raw and flashbax of the same size
+    (above 1 means better than the reference, whatever the unit)."""
+    lines = []
+    for workload in _workloads(results):
+        rows = [r for r in results if r["workload"] == workload]
+        lines += [
+            f"### {workload}",
+            "",
+            "| system | size | median | [min, max] | unit | vs raw | vs flashbax |",
+            "|---|---:|---:|---:|---|---:|---:|",
+        ]
+        for r in rows:
+            if "error" in r:
+                lines.append(
+                    f"| {r['system']} | {r['size']:,} | does not run: {r['error'][:120]} | | | | |"
+                )
+                continue
+            ratios = []
+            for ref in ("raw", "flashbax"):
+                base = _reference(rows, r, ref)
+                if base is None or base is r or r["system"].startswith(("raw", "flashbax")):
+                    ratios.append("")
+                else:
+                    ratios.append(f"{ratio(r, base):.2f}x")
+            lines.append(
+                f"| {r['system']} | {r['size']:,} | {_fmt(r['median'])} "
+                f"| [{_fmt(r['min'])}, {_fmt(r['max'])}] | {r['unit']} | {ratios[0]} "
+                f"| {ratios[1]} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: Path) -> None:
+    """One panel per workload: each system's median relative to raw (1 = the floor); W4, which
+    has no raw row, shows peak memory over buffer bytes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = _workloads(results)
+    fig, axes = plt.subplots(1, len(workloads), figsize=(3.2 * len(workloads), 3.2))
+    axes = [axes] if len(workloads) == 1 else list(axes)
+    for ax, workload in zip(axes, workloads):
+        rows = [r for r in results if r["workload"] == workload and "error" not in r]
+        labels, values = [], []
+        has_raw = any(r["system"].startswith("raw") for r in rows)
+        for r in rows:
+            if not has_raw:
+                labels.append(r["system"])
+                values.append(r["median"])
+                continue
+            ref = _reference(rows, r, "raw")
+            if ref is None or r["system"].startswith("raw"):
+                continue
+            labels.append(f"{r['system']}\n{r['size']:,}")
+            values.append(ratio(r, ref))
+        ax.barh(range(len(values)), values, color="tab:blue")
+        ax.set_yticks(range(len(values)), labels, fontsize=6)
+        ax.axvline(1.0, color="black", lw=0.8)
+        ax.set_title(workload)
+        ax.set_xlabel(rows[0]["unit"] if rows and not has_raw else "speed vs raw")
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+
+
+def write_results(out: Path, machine: dict, quick: bool, results: list[dict]) -> str:
+    """`results.json`, `results.md` and `results.png` in `out`; returns the Markdown."""
+    out.mkdir(parents=True, exist_ok=True)
+    table = report(results)
+    (out / "results.json").write_text(
+        json.dumps({"machine": machine, "quick": quick, "results": results}, indent=1)
+    )
+    (out / "results.md").write_text(table)
+    plot(results, out / "results.png")
+    return table
