@@ -467,17 +467,15 @@ def count_ids(ids: Int[Array, " n"], num: int) -> Int[Array, " num"]:
 # Data-dependent faults
 
 
-def _poison(x: Array, fault: Bool[Array, ""]) -> Array:
-    """`x`, or where `fault` holds, what `EQX_ON_ERROR=nan` makes of a faulty output."""
+def _poison(x: Array) -> Array:
+    """What `EQX_ON_ERROR=nan` makes of a faulty output `x`."""
     if jnp.issubdtype(x.dtype, jnp.inexact):
-        bad = jnp.full_like(x, jnp.nan)
-    elif jnp.issubdtype(x.dtype, jnp.integer):
-        bad = jnp.full_like(x, jnp.iinfo(x.dtype).max)
-    elif x.dtype == jnp.bool_:
-        bad = jnp.ones_like(x)
-    else:
-        return x
-    return jnp.where(fault, bad, x)
+        return jnp.full_like(x, jnp.nan)
+    if jnp.issubdtype(x.dtype, jnp.integer):
+        return jnp.full_like(x, jnp.iinfo(x.dtype).max)
+    if x.dtype == jnp.bool_:
+        return jnp.ones_like(x)
+    return x
 
 
 def check_faults(x: PyTree, faults: Sequence[Fault]) -> PyTree:
@@ -492,13 +490,13 @@ def check_faults(x: PyTree, faults: Sequence[Fault]) -> PyTree:
     - Traced (`jit`, `vmap`, `scan`, `shard_map`), one `eqx.branched_error_if` holds them all:
         one conditional in the compiled program however many faults there are. Under `vmap`
         a fault in any lane raises (the message of the first fault that holds in some lane).
-        The check guards a token, which then guards `x` by one `where` per element of `x`:
-        unlike guarding `x` itself, this passes `shard_map`'s check of varying manual axes
-        (the error branch's callback output is never varying).
+        The check guards a token, which then passes `x` through a conditional: unlike
+        guarding `x` itself, this passes `shard_map`'s check of varying manual axes (the
+        error branch's callback output is never varying).
 
     `x` must be what the operation's result is built from, so that the check cannot be
     removed as dead code: small outputs (a sampled batch, counters, the indices a scatter
-    writes), never a whole storage array, which a `where` would copy.
+    writes), never a whole storage array, which a conditional could copy.
 
     `EQX_ON_ERROR` is honoured: `nan` poisons `x` (NaN for floats, the largest value for
     integers, `True` for bools) where a fault holds, `off` skips the checks.
@@ -518,4 +516,11 @@ def check_faults(x: PyTree, faults: Sequence[Fault]) -> PyTree:
     token = eqx.branched_error_if(
         jnp.zeros((), jnp.bool_), jnp.any(pred), jnp.argmax(pred), messages
     )
-    return jax.tree.map(lambda leaf: _poison(leaf, token) if eqx.is_array(leaf) else leaf, x)
+    # A conditional, not a `where`: its operands are computed before it and its result after,
+    # which orders the reads of a buffer that feed `x` before the writes that use `x` (with a
+    # `where` fused into a scatter, XLA copies the buffer instead of updating it in place).
+    arrays, rest = eqx.partition(x, eqx.is_array)
+    arrays = jax.lax.cond(
+        token, lambda a: jax.tree.map(lambda leaf: _poison(leaf), a), lambda a: a, arrays
+    )
+    return eqx.combine(arrays, rest)
