@@ -15,7 +15,6 @@ from jaxtyping import (
     PyTree,
     Real,
     Shaped,
-    UInt32,
 )
 
 from ._checks import (
@@ -29,6 +28,12 @@ from ._checks import (
     count_ids,
     Prototype,
     spec_of,
+)
+from ._sequences import (
+    # Re-exported for tests/test_trajectory.py, which predates `_sequences.py`.
+    _below as _below,
+    _unit_float as _unit_float,
+    draw_starts,
 )
 from ._storage import ring_add, ring_sub
 
@@ -69,37 +74,6 @@ def _out_of_range(num_envs: int) -> str:
 
 def _power_fault(power: Float[Array, ""], call: str) -> tuple[Bool[Array, ""], str]:
     return ~jnp.isfinite(power), f"`{call}`: `distribution_power` must be finite"
-
-
-def _unit_float(bits: UInt32[Array, " n"]) -> Float[Array, " n"]:
-    """Uniform floats in [0, 1) from random bits, as `jax.random.uniform` makes them: 23 random
-    mantissa bits under the exponent of 1.0, minus 1. The largest value is 1 - 2**-23."""
-    one = jnp.asarray(0x3F800000, jnp.uint32)
-    return jax.lax.bitcast_convert_type((bits >> 9) | one, jnp.float32) - 1.0
-
-
-def _count_at_most(table: Float[Array, " n"], x: Float[Array, " b"]) -> Int[Array, " b"]:
-    """For each `x`, the number of entries of the sorted `table` that are `<= x`.
-
-    A binary search unrolled into straight-line code (O(log n) per query, no loop to launch
-    step by step on an accelerator).
-    """
-    return jnp.searchsorted(table, x, side="right", method="scan_unrolled").astype(jnp.int32)
-
-
-def _below(
-    high: UInt32[Array, " n"], low: UInt32[Array, " n"], n: Int[Array, " n"]
-) -> Int[Array, " n"]:
-    """A random integer in [0, n) from two random words (0 where n is 0).
-
-    `(high * 2**32 + low) mod n` for n <= 2**16 (bias at most n / 2**64), computed in uint32
-    without overflow; above that, `low mod n` (bias at most n / 2**32). This is the reduction
-    `jax.random.randint` makes; calling it would cost a second PRNG kernel.
-    """
-    span = jnp.maximum(n, 1).astype(jnp.uint32)
-    # 2**32 mod span, as (2**32 - span) mod span; zero (high unused) where products could wrap.
-    multiplier = jnp.where(span <= 2**16, (jnp.asarray(0, jnp.uint32) - span) % span, 0)
-    return (((high % span) * multiplier + low % span) % span).astype(jnp.int32)
 
 
 class TrajectoryBuffer(eqx.Module):
@@ -459,62 +433,13 @@ class TrajectoryBuffer(eqx.Module):
         sequence_length: int,
         power: Float[Array, ""],
     ) -> tuple[PyTree[Shaped[Array, "batch seq ..."]], Bool[Array, "batch seq"]]:
-        """Sample without run-time checks; the method is explained in `dejax_eqx/README.md`.
-
-        Needs three random numbers per row and O(num_envs + T) set-up work, then
-        O(log num_envs + log T) per row before the gather. If every window is empty the
-        result is meaningless (and nothing raises).
-        """
-        T = sequence_length
+        """Sample without run-time checks: starts from `_sequences.draw_starts`, then the
+        gather. If every window is empty the result is meaningless (and nothing raises)."""
+        env, offset, remaining = draw_starts(key, lengths, batch_size, sequence_length, power)
         m = self.max_length
-        # Start (e, i) has weight w(r) = r**p, r = min(L_e - i, T) in 1..T. Per env there are
-        # F_e = max(L_e - T + 1, 0) starts with r = T and one start for each r in 1..k_e,
-        # k_e = min(L_e, T - 1). With S[k] = w(1) + ... + w(k), env e weighs
-        # W_e = F_e w(T) + S[k_e]. Weights are handled as logarithms, so that no power
-        # overflows, and an empty env weighs exactly 0 (log W_e = -inf) for every power.
-        log_w = power * jnp.log(jnp.arange(1, T + 1, dtype=jnp.float32))  # log w(1..T)
-        full = jnp.maximum(lengths - (T - 1), 0)
-        tail = jnp.minimum(lengths, T - 1)
-        # log S[0..T-1] (S[0] = 0) from one cumulative sum, scaled by the largest term any env
-        # uses, w(max k_e) (w is monotone in r): so no entry in use overflows and the largest
-        # one in use is >= 1. Entries that underflow to 0 belong to envs whose weight is below
-        # 1e-38 of another's.
-        shift = jnp.maximum(0.0, power * jnp.log(jnp.maximum(jnp.max(tail), 1).astype(jnp.float32)))
-        s = jnp.cumsum(jnp.exp(log_w[:-1] - shift))
-        log_s = jnp.log(jnp.concatenate([jnp.zeros(1), s])) + shift
-        log_env = jnp.logaddexp(jnp.log(full.astype(jnp.float32)) + log_w[-1], log_s[tail])
-
-        # All the randomness in one draw (one PRNG kernel): two uniforms and a 64-bit integer
-        # per row.
-        bits = jax.random.bits(key, (4, batch_size), jnp.uint32)
-        u_env, u_kind = _unit_float(bits[0]), _unit_float(bits[1])
-
-        # The env, by inverse CDF over W_e scaled so that the largest is 1. An empty env adds
-        # exactly 0 to the running sum, so no x lands in it: `_count_at_most` picks e with
-        # cdf[e-1] <= x < cdf[e]. And x < cdf[-1], since u <= 1 - 2**-23 keeps u * total at
-        # least one float below total.
-        top = jnp.max(log_env)
-        cdf = jnp.cumsum(jnp.exp(log_env - jnp.where(jnp.isfinite(top), top, 0.0)))
-        env = _count_at_most(cdf, u_env * cdf[-1])
-        env = jnp.minimum(env, self.num_envs - 1)  # only when every window is empty
-
-        # The kind of start within env e, by inverse CDF over [tail r = 1, ..., tail r = k,
-        # the F full starts]: x = u W_e falls in tail r when S[r-1] <= x < S[r], in the full
-        # block when x >= S[k]. The table log S is shared by all envs and searched with
-        # log x, so the only per-env value needed is log W_e.
-        k = tail[env]
-        below = jnp.minimum(_count_at_most(log_s[1:], jnp.log(u_kind) + log_env[env]), k)
-        # With no full start, x >= S[k] = W_e only by rounding: it belongs to tail k.
-        is_full = (below == k) & (full[env] > 0)
-        remaining = jnp.where(is_full, T, jnp.minimum(below + 1, k))
-        length = lengths[env]
-        # Window offset: uniform among the full starts (0 .. F-1), else L - r.
-        offset = _below(bits[2], bits[3], full[env])
-        offset = jnp.where(is_full, offset, length - remaining)
-
-        # The window starts `length` steps behind the cursor; every term stays in [0, m].
-        first = ring_add(ring_sub(self.head[env], length, m), offset, m)
-        t = jnp.arange(T, dtype=jnp.int32)
+        # The window starts `lengths[env]` steps behind the cursor; every term stays in [0, m].
+        first = ring_add(ring_sub(self.head[env], lengths[env], m), offset, m)
+        t = jnp.arange(sequence_length, dtype=jnp.int32)
         slots = ring_add(first[:, None], t[None, :], m)
         mask = t[None, :] < remaining[:, None]
         rows = env[:, None]
