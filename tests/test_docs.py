@@ -219,6 +219,40 @@ class _Source:
             node.name: node for node in self.tree.body if isinstance(node, ast.FunctionDef)
         }
         self.constants = _bindings(self.tree)
+        self.arguments: dict[str, dict] = {}
+        self.arguments = self._private_arguments()
+
+    def _private_arguments(self) -> dict[str, dict]:
+        """What each parameter of a private top-level function (`_check_int`) stands for: the
+        arguments its calls in this file pass, if the file only calls it (never passes it
+        around, never with `*args`). Its callers' own parameters count as anything."""
+        calls: dict[str, list] = {name: [] for name in self.functions if name.startswith("_")}
+        loads = dict.fromkeys(calls, 0)
+        for node, env, _ in self.walk():
+            if isinstance(node, ast.Name) and node.id in loads:
+                loads[node.id] += 1
+            if isinstance(node, ast.Call) and _name_of(node.func) in calls:
+                calls[_name_of(node.func)].append((node, env))
+        out = {}
+        for name, found in calls.items():
+            starred = any(
+                isinstance(a, ast.Starred) or a is None
+                for call, _ in found
+                for a in [*call.args, *(k.arg for k in call.keywords)]
+            )
+            if not found or starred or loads[name] != len(found):
+                continue
+            function = self.functions[name]
+            params = [a.arg for a in [*function.args.posonlyargs, *function.args.args]]
+            passed: dict[str, list[_Template]] = {p: [] for p in params}
+            for call, env in found:
+                given = dict(zip(params, call.args))
+                given.update({k.arg: k.value for k in call.keywords if k.arg in passed})
+                for param in params:
+                    arg = given.get(param)
+                    passed[param] += _ANYTHING if arg is None else self.templates(arg, env)
+            out[name] = {p: list(dict.fromkeys(t)) for p, t in passed.items()}
+        return out
 
     def templates(self, node: ast.expr, env: dict, depth: int = 0) -> list[_Template]:
         """What the expression `node` can evaluate to, as templates (`_ANYTHING` if unknown)."""
@@ -284,6 +318,8 @@ class _Source:
     def _walk(self, node: ast.AST, env: dict, function: str):
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
             env, function = {**env, **_bindings(node)}, node.name
+            if self.functions.get(node.name) is node:
+                env.update(self.arguments.get(node.name, {}))
         yield node, env, function
         for field, value in ast.iter_fields(node):
             if field in ("annotation", "returns") or (
@@ -392,6 +428,16 @@ def _fault(x, call):
     return x < 0, f"`{call}`: x must be non-negative"
 
 
+def _check(value, what):
+    if value < 0:
+        raise ValueError(f"value must be {what}, got {value}.")
+
+
+def check_both(x):
+    _check(x, "positive")
+    _check(x, what="non-negative")
+
+
 def f(x, source, k):
     call = "Thing.f"
     message = f"`{call}`: {_range(k)}"
@@ -404,11 +450,13 @@ def f(x, source, k):
     )
     assert {t for _, t in source.messages()} == set(
         [
-            ("`", _ANY, "`: x must be non-negative"),
+            ("`Thing.f`: x must be non-negative",),  # `_fault` is called with that `call` only
             ("`Thing.f`: ", _ANY, " is truncated; nothing was loaded."),
             ("`Thing.f`: id out of range [0, ", _ANY, ")"),
             ("`Thing.f`: nothing in a",),
             ("`Thing.f`: nothing in b",),
+            ("value must be positive, got ", _ANY, "."),
+            ("value must be non-negative, got ", _ANY, "."),
         ]
     )
 
