@@ -260,7 +260,8 @@ def write_batch(
     # Of n pushes only the last k = min(n, m) survive; push j lands at offset j mod m from
     # head (reduced in Python: static).
     k = min(n, m)
-    kept = ring_add(cb.head, jnp.asarray(np.arange(n - k, n) % m, dtype=jnp.int32), m)
+    every = ring_add(cb.head, jnp.asarray(np.arange(n) % m, dtype=jnp.int32), m)
+    kept = every[n - k :]
     data = jax.tree.map(
         lambda x, y: x.at[kept].set(y[n - k :], unique_indices=True, mode="promise_in_bounds"),
         cb.data,
@@ -268,7 +269,9 @@ def write_batch(
     )
     head = ring_add(cb.head, n % m, m)
     count = jnp.minimum(cb.count, m - k) + k
-    slots = jnp.concatenate([jnp.full(n - k, m, jnp.int32), kept])
+    # Derived from `every` (not a concatenation with fresh constants), so that under `vmap`
+    # the slots carry the batch's sharding like every other output.
+    slots = jnp.where(np.arange(n) >= n - k, every, m)
     return eqx.tree_at(lambda b: (b.data, b.head, b.count), cb, (data, head, count)), slots
 
 

@@ -29,12 +29,7 @@ from ._checks import (
     Prototype,
     spec_of,
 )
-from ._sequences import (
-    # Re-exported for tests/test_trajectory.py, which predates `_sequences.py`.
-    _below as _below,
-    _unit_float as _unit_float,
-    draw_starts,
-)
+from ._sequences import draw_starts
 from ._storage import ring_add, ring_sub
 
 

@@ -705,26 +705,3 @@ def test_same_shapes_compile_once():
     assert len(traces) == 1
     step(dx.TrajectoryBuffer(STEP, 4, 7), *_async_inputs(0), jax.random.key(0), jnp.asarray(1.0))
     assert len(traces) == 2
-
-
-def test_random_number_helpers():
-    from dejax_eqx._trajectory import _below, _unit_float
-
-    rng = np.random.default_rng(0)
-    high, low = (rng.integers(0, 2**32, 5000, dtype=np.uint64).astype(np.uint32) for _ in "hl")
-    for n in [1, 2, 3, 7, 1000, 2**16 - 1, 2**16, 2**16 + 1, 2**31 - 1]:
-        got = np.asarray(_below(jnp.asarray(high), jnp.asarray(low), jnp.full(5000, n)))
-        if n <= 2**16:  # the exact 64-bit remainder
-            want = [(int(h) * 2**32 + int(lo)) % n for h, lo in zip(high, low)]
-        else:
-            want = low.astype(np.int64) % n
-        assert got.tolist() == list(want), n
-    assert (
-        np.asarray(_below(jnp.asarray(high[:3]), jnp.asarray(low[:3]), jnp.zeros(3, int))).tolist()
-        == [0] * 3
-    )
-    # Bit for bit what jax.random.uniform makes from the same bits; never 1.
-    key = jax.random.key(3)
-    assert_tree_equal(_unit_float(jax.random.bits(key, (1000,))), jax.random.uniform(key, (1000,)))
-    top = _unit_float(jnp.asarray([2**32 - 1], jnp.uint32))
-    assert float(top[0]) == 1 - 2**-23
