@@ -410,13 +410,13 @@ def check_index(
     call: str,
     *,
     ndim: int | None = None,
-    length: int | None = None,
+    length: tuple[int, str] | None = None,
 ) -> tuple[Int[Array, "*s"], Bool[Array, "*s"]]:
     """The one check of every index or id that enters the library: `(int32 index, fault)`.
 
     Trace time: `index` must be an integer array or a Python int (not a bool, not a list), of
-    `ndim` axes and a leading axis of `length` where those are given (else `TypeError` /
-    `ValueError` naming `call`).
+    `ndim` axes where given, and where `length = (n, what)` is given, of a leading axis of `n`,
+    one entry per element of `what` (else `TypeError` / `ValueError` naming `call`).
 
     Whether each entry lies in `[0, bound)` is data. It is decided in the index's own dtype,
     before any cast: a cast to int32 first would wrap an int64 or uint32 value into range.
@@ -437,9 +437,9 @@ def check_index(
         raise TypeError(f"`{call}` must be an integer array, got dtype {index.dtype}.")
     if ndim is not None and len(shape) != ndim:
         raise ValueError(f"`{call}` must have {plural(ndim, 'axis', 'axes')}, got shape {shape}.")
-    if length is not None and shape[0] != length:
+    if length is not None and shape[0] != length[0]:
         raise ValueError(
-            f"`{call}` has {shape[0]} entries, expected {length}: one per item of the batch."
+            f"`{call}` has {shape[0]} entries, expected {length[0]}: one per {length[1]}."
         )
     assert 0 < bound <= INT32_MAX + 1
     if isinstance(index, int | np.ndarray | np.generic):

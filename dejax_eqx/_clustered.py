@@ -249,7 +249,11 @@ class ClusteredReplay(AbstractReplay):
         n = ids.shape[0]
         # Out-of-range slots become `max_size`, which the inner `set_priorities` reports.
         indices, _ = check_index(
-            indices, self.clusters.max_size, f"{call}(indices=...)", ndim=1, length=n
+            indices,
+            self.clusters.max_size,
+            f"{call}(indices=...)",
+            ndim=1,
+            length=(n, "cluster id"),
         )
         priorities = check_vector(priorities, n, call, "priorities")
         # The guard sits on the ids, which every cluster's update reads.

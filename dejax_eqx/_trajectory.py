@@ -217,7 +217,9 @@ class TrajectoryBuffer(eqx.Module):
             data = jax.tree.map(lambda x, y: write(x, y, self.head), self.data, items)
             added = jnp.ones(self.num_envs, jnp.bool_)
             return self._advance(data, added)
-        rows, bad = check_index(env_ids, self.num_envs, f"{call}(env_ids=...)", ndim=1, length=n)
+        rows, bad = check_index(
+            env_ids, self.num_envs, f"{call}(env_ids=...)", ndim=1, length=(n, "step")
+        )
         if n == 0:
             return self
         counts = count_ids(rows, self.num_envs)

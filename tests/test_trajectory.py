@@ -415,7 +415,7 @@ def test_add_static_errors(jit):
         if jit
         else (lambda b, x, i: b.add(x, env_ids=i))
     )
-    with pytest.raises(ValueError, match="has 2 entries, expected 3: one per item"):
+    with pytest.raises(ValueError, match="has 2 entries, expected 3: one per step"):
         add(buf, _steps(3), _ids(0, 1))
     with pytest.raises((ValueError, TypeError), match="must have 1 axis|parameter 'env_ids'"):
         add(buf, _steps(2), np.zeros((2, 1), np.int32))
