@@ -489,7 +489,7 @@ def check_faults(x: PyTree, faults: Sequence[Fault]) -> PyTree:
         is the user's call, nothing else.
     - Traced (`jit`, `vmap`, `scan`, `shard_map`), one `eqx.branched_error_if` holds them all:
         one conditional in the compiled program however many faults there are. Under `vmap`
-        a fault in any lane raises (the message of the first fault that holds in some lane).
+        a fault in any lane raises, with the message of a faulty lane.
         The check guards a token, which then passes `x` through a conditional: unlike
         guarding `x` itself, this passes `shard_map`'s check of varying manual axes (the
         error branch's callback output is never varying).
@@ -520,7 +520,5 @@ def check_faults(x: PyTree, faults: Sequence[Fault]) -> PyTree:
     # which orders the reads of a buffer that feed `x` before the writes that use `x` (with a
     # `where` fused into a scatter, XLA copies the buffer instead of updating it in place).
     arrays, rest = eqx.partition(x, eqx.is_array)
-    arrays = jax.lax.cond(
-        token, lambda a: jax.tree.map(lambda leaf: _poison(leaf), a), lambda a: a, arrays
-    )
+    arrays = jax.lax.cond(token, lambda a: jax.tree.map(_poison, a), lambda a: a, arrays)
     return eqx.combine(arrays, rest)
