@@ -12,6 +12,7 @@ internals that never validate again.
 import math
 import numbers
 import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -467,6 +468,24 @@ def count_ids(ids: Int[Array, " n"], num: int) -> Int[Array, " num"]:
 # Data-dependent faults
 
 
+# Frames of these packages are never the user's call.
+_LIBRARY_MODULES = ("dejax_eqx", "jax", "jaxlib", "equinox", "jaxtyping", "beartype")
+
+
+def _call_site() -> str | None:
+    """`file:line in function` of the innermost frame outside the library and JAX."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module.split(".")[0] not in _LIBRARY_MODULES and not module.startswith(
+            ("functools", "contextlib")
+        ):
+            code = frame.f_code
+            return f"{os.path.basename(code.co_filename)}:{frame.f_lineno} in {code.co_name}"
+        frame = frame.f_back
+    return None
+
+
 def _poison(x: Array) -> Array:
     """What `EQX_ON_ERROR=nan` makes of a faulty output `x`."""
     if jnp.issubdtype(x.dtype, jnp.inexact):
@@ -492,7 +511,8 @@ def check_faults(x: PyTree, faults: Sequence[Fault]) -> PyTree:
         a fault in any lane raises, with the message of a faulty lane.
         The check guards a token, which then passes `x` through a conditional: unlike
         guarding `x` itself, this passes `shard_map`'s check of varying manual axes (the
-        error branch's callback output is never varying).
+        error branch's callback output is never varying). Each message gains the line of
+        the user's code that called the library, `(called at FILE:LINE in FUNCTION)`.
 
     `x` must be what the operation's result is built from, so that the check cannot be
     removed as dead code: small outputs (a sampled batch, counters, the indices a scatter
@@ -510,6 +530,13 @@ def check_faults(x: PyTree, faults: Sequence[Fault]) -> PyTree:
             if bool(pred):
                 raise eqx.EquinoxRuntimeError(msg)
         return x
+    # The caller's line goes into the messages: under plain `jax.jit` it is the only pointer to
+    # the failing call inside the user's function. It also keys Equinox's cache of traced checks
+    # by call site, whose "stack inside JIT" would otherwise be that of the first call with the
+    # same messages and shapes.
+    site = _call_site()
+    if site is not None:
+        messages = [f"{msg}\n  (called at {site})" for msg in messages]
     pred = jnp.stack(preds)
     # argmax of booleans: the first fault that holds, and 0 (the smallest, which loses to any
     # faulty lane under vmap's maximum) where none does.

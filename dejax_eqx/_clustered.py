@@ -152,9 +152,14 @@ class ClusteredReplay(AbstractReplay):
 
     @property
     def item_spec(self) -> PyTree[jax.ShapeDtypeStruct]:
-        # One cluster, as shapes only: the stacked clusters without their leading axis.
+        # One cluster, as shapes only: the stacked clusters without their leading axis. (A
+        # nested ClusteredReplay meets shapes here, not arrays: `self` may itself be one.)
         one = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype) if eqx.is_array(x) else x,
+            lambda x: (
+                jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+                if isinstance(x, jax.Array | jax.ShapeDtypeStruct)
+                else x
+            ),
             self.clusters,
         )
         return one.item_spec

@@ -315,8 +315,15 @@ def _bad_cluster(item):
     return item["action"] + 5
 
 
-def test_fault_under_plain_jit_carries_the_message():
+def test_fault_under_plain_jit_carries_the_message_and_the_calling_line():
     buf = dx.UniformReplay(ITEM, 4)
+
+    def train_step(b, k):
+        return b.sample(k, 2)
+
+    line = train_step.__code__.co_firstlineno + 1
     with pytest.raises(jax.errors.JaxRuntimeError) as info:
-        jax.jit(lambda b, k: b.sample(k, 2))(buf, jax.random.key(0))
-    assert "`UniformReplay.sample`: cannot sample from an empty UniformReplay" in str(info.value)
+        jax.jit(train_step)(buf, jax.random.key(0))
+    message = str(info.value)
+    assert "`UniformReplay.sample`: cannot sample from an empty UniformReplay" in message
+    assert f"(called at test_faults.py:{line} in train_step)" in message
