@@ -539,10 +539,10 @@ def check_faults(x: PyTree, faults: Sequence[Fault]) -> PyTree:
         messages = [f"{msg}\n  (called at {site})" for msg in messages]
     pred = jnp.stack(preds)
     # argmax of booleans: the first fault that holds, and 0 (the smallest, which loses to any
-    # faulty lane under vmap's maximum) where none does.
-    token = eqx.branched_error_if(
-        jnp.zeros((), jnp.bool_), jnp.any(pred), jnp.argmax(pred), messages
-    )
+    # faulty lane under vmap's maximum) where none does. With one fault the index is a Python
+    # int: under vmap over a sharded batch a traced one costs a second cross-device reduction.
+    index = jnp.argmax(pred) if len(preds) > 1 else 0
+    token = eqx.branched_error_if(jnp.zeros((), jnp.bool_), jnp.any(pred), index, messages)
     # A conditional, not a `where`: its operands are computed before it and its result after,
     # which orders the reads of a buffer that feed `x` before the writes that use `x` (with a
     # `where` fused into a scatter, XLA copies the buffer instead of updating it in place).
