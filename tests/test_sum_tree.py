@@ -302,16 +302,6 @@ def test_argument_validation():
         tree.set(jnp.array([0.0]), jnp.array([1.0]))
 
 
-def test_vmap_batch_of_trees():
-    trees = eqx.filter_vmap(lambda _: dx.SumTree(20), axis_size=3)(jnp.zeros(3))
-    indices = jnp.array([[0, 1], [5, 5], [19, 0]])
-    values = jnp.array([[1.0, 2.0], [3.0, 4.0], [5.0, 0.0]])
-    trees = eqx.filter_vmap(lambda t, i, v: t.set(i, v))(trees, indices, values)
-    assert eqx.filter_vmap(lambda t: t.total)(trees).tolist() == [3.0, 4.0, 5.0]
-    found = eqx.filter_vmap(lambda t: t.find(jnp.array([0.5, 1.5])))(trees)
-    assert found.tolist() == [[0, 1], [5, 5], [19, 19]]
-
-
 @given(
     values=st.lists(st.sampled_from(VALUES), min_size=70, max_size=70),
     seed=st.integers(0, 2**32 - 1),

@@ -577,97 +577,6 @@ def _async_inputs(i, n=2, num_envs=4):
     return _steps(n, float(i)), env_ids
 
 
-def test_donated_step_updates_in_place():
-    # The first argument (inputs) is not donated; the buffer is, and "warn" makes any donated
-    # array that XLA could not reuse a warning, which `filterwarnings = error` turns into a
-    # failure.
-    @eqx.filter_jit(donate="warn-except-first")
-    def step(inputs, buf):
-        (items, env_ids), key = inputs
-        buf = buf.add(items, env_ids=env_ids)
-        seqs, mask = buf.sample_mixed(key, 4, 2, 3)
-        return buf, seqs["obs"].sum() + mask.sum(dtype=jnp.float32)
-
-    buf = dx.TrajectoryBuffer(STEP, 4, 100)
-    pointer = buf.data["obs"].unsafe_buffer_pointer()
-    for i in range(5):
-        old = buf.data["obs"]
-        buf, _ = step((_async_inputs(i), jax.random.key(i)), buf)
-        assert old.is_deleted()
-        assert buf.data["obs"].unsafe_buffer_pointer() == pointer
-    assert buf.lengths().tolist() == [3, 2, 2, 3]  # ids (i, i + 3) mod 4 for i < 5
-
-
-def test_donate_all():
-    @eqx.filter_jit(donate="all")
-    def step(buf, items, env_ids, key):
-        buf = buf.add(items, env_ids=env_ids)
-        return buf, buf.sample(key, 8, 2, source="online")
-
-    buf = dx.TrajectoryBuffer(STEP, 4, 100)
-    pointer = buf.data["obs"].unsafe_buffer_pointer()
-    for i in range(3):
-        buf, (seqs, mask) = step(buf, *_async_inputs(i), jax.random.key(i))
-    assert buf.data["obs"].unsafe_buffer_pointer() == pointer
-    assert seqs["obs"].shape == (8, 2, 3) and mask.shape == (8, 2)
-
-
-def test_scan_carry_equals_python_loop():
-    def body(buf, xs):
-        items, env_ids, key, reset = xs
-        buf = buf.add(items, env_ids=env_ids)
-        sample = buf.sample_mixed(key, 3, 2, 2, 1.5)
-        buf = jax.lax.cond(reset, lambda b: b.reset_online_queue(), lambda b: b, buf)
-        return buf, sample
-
-    n_steps = 9
-    inputs = [_async_inputs(i) for i in range(n_steps)]
-    items = jax.tree.map(lambda *xs: jnp.stack(xs), *[x for x, _ in inputs])
-    env_ids = jnp.stack([jnp.asarray(i) for _, i in inputs])
-    keys = jax.random.split(jax.random.key(0), n_steps)
-    resets = jnp.arange(n_steps) % 4 == 3
-    buf0 = dx.TrajectoryBuffer(STEP, 4, 3)
-    scanned, samples = jax.lax.scan(body, buf0, (items, env_ids, keys, resets))
-
-    buf = buf0
-    step = eqx.filter_jit(body)
-    for t in range(n_steps):
-        buf, sample = step(buf, jax.tree.map(lambda x: x[t], (items, env_ids, keys, resets)))
-        assert_tree_equal(jax.tree.map(lambda x: x[t], samples), sample)
-    assert_tree_equal(to_numpy(scanned), to_numpy(buf))
-
-
-def test_vmap_batch_of_buffers():
-    num = 3
-
-    @eqx.filter_jit
-    @eqx.filter_vmap(in_axes=None, axis_size=num)
-    def make(proto):
-        return dx.TrajectoryBuffer(proto, 4, 5)
-
-    def sample_and_peek(buf, key):
-        return buf.sample(key, 7, 3, distribution_power=2.0), buf.peek(jnp.asarray([0, 3]))
-
-    bufs = make(STEP)
-    assert bufs.data["obs"].shape == (num, 4, 5, 3) and bufs.num_envs == 4
-    # Each buffer gets its own env ids: one vmapped add per step.
-    schedules = [[_async_inputs(i + 5 * k) for i in range(6)] for k in range(num)]
-    add = eqx.filter_jit(eqx.filter_vmap(lambda b, x, ids: b.add(x, env_ids=ids)))
-    for i in range(6):
-        items = jax.tree.map(lambda *xs: jnp.stack(xs), *[s[i][0] for s in schedules])
-        bufs = add(bufs, items, jnp.stack([jnp.asarray(s[i][1]) for s in schedules]))
-    keys = jax.random.split(jax.random.key(0), num)
-    samples = eqx.filter_jit(eqx.filter_vmap(sample_and_peek))(bufs, keys)
-
-    for k in range(num):
-        single = dx.TrajectoryBuffer(STEP, 4, 5)
-        for items, env_ids in schedules[k]:
-            single = _add(single, items, env_ids)
-        assert_tree_equal(to_numpy(jax.tree.map(lambda x: x[k], bufs)), to_numpy(single))
-        expected = eqx.filter_jit(sample_and_peek)(single, keys[k])
-        assert_tree_equal(jax.tree.map(lambda x: x[k], samples), expected)
-
-
 def test_vmap_errors():
     bufs = eqx.filter_vmap(lambda p: dx.TrajectoryBuffer(p, 2, 3), in_axes=None, axis_size=2)(STEP)
     keys = jax.random.split(jax.random.key(0), 2)
@@ -684,27 +593,6 @@ def test_vmap_errors():
     bufs = eqx.tree_at(lambda b: b.replay_length, bufs, bufs.replay_length.at[0].set(0))
     with pytest.raises(RuntimeError, match="cannot sample from an empty TrajectoryBuffer"):
         sample(bufs, keys)
-
-
-def test_same_shapes_compile_once():
-    traces = []
-
-    @eqx.filter_jit
-    def step(buf, items, env_ids, key, power):
-        traces.append(None)
-        buf = buf.add(items, env_ids=env_ids)
-        return buf, buf.sample(key, 4, 2, distribution_power=power)
-
-    for _ in range(2):
-        buf = dx.TrajectoryBuffer(STEP, 4, 6)  # fresh buffers of one configuration hash equal
-        for i in range(5):
-            items, env_ids = _async_inputs(i)
-            power = jnp.asarray(i / 2, jnp.float32)  # a traced power: no recompilation
-            buf, _ = step(buf, items, env_ids, jax.random.key(i), power)
-    # One trace in all: counters keep their dtype (no weak types) across steps.
-    assert len(traces) == 1
-    step(dx.TrajectoryBuffer(STEP, 4, 7), *_async_inputs(0), jax.random.key(0), jnp.asarray(1.0))
-    assert len(traces) == 2
 
 
 def test_random_number_helpers():
