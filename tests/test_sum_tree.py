@@ -267,8 +267,8 @@ def test_set_find_cost_is_logarithmic_in_the_jaxpr():
                 check(sub)
 
     indices = jnp.arange(n, dtype=jnp.int32)
-    check(jax.make_jaxpr(lambda t, i, v: t._set(i, v))(tree, indices, jnp.ones(n)).jaxpr)
-    check(jax.make_jaxpr(lambda t, u: t._find(u))(tree, jnp.ones(n)).jaxpr)
+    check(jax.make_jaxpr(lambda t, i, v: t.set(i, v))(tree, indices, jnp.ones(n)).jaxpr)
+    check(jax.make_jaxpr(lambda t, u: t.find(u))(tree, jnp.ones(n)).jaxpr)
 
 
 def test_float64_tree():
