@@ -1,6 +1,7 @@
 import os
 
 import jax
+import pytest
 from hypothesis import HealthCheck, settings
 from jaxtyping import install_import_hook
 
@@ -22,3 +23,11 @@ settings.register_profile(
 )
 settings.register_profile("dev", max_examples=150, stateful_step_count=40, **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+# Compiled executables are cached per process, and a module's shapes are rarely another's: once
+# a module is done its executables only hold memory (gigabytes over the whole suite).
+@pytest.fixture(autouse=True, scope="module")
+def _clear_compilation_caches():
+    yield
+    jax.clear_caches()

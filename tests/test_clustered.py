@@ -8,19 +8,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from dejax_eqx._storage import gather
-from hypothesis.stateful import initialize, invariant, precondition, rule, RuleBasedStateMachine
+from hypothesis.stateful import initialize, invariant, rule
 
 from .helpers import (
     assert_frequencies,
     assert_tree_equal,
-    bump,
     random_batch,
     random_item,
     SPECS,
     to_numpy,
-    tree_equal,
     unstack,
 )
+from .machines import ItemRules, SampleSupportRule
 from .reference import ClusterIdError, RefClusteredReplay, RefPrioritisedReplay, RefUniformReplay
 
 
@@ -38,8 +37,6 @@ def _machine_spec(name):
 _add = eqx.filter_jit(lambda r, x: r.add(x))
 _add_batch = eqx.filter_jit(lambda r, x: r.add_batch(x))
 _add_batch_masked = eqx.filter_jit(lambda r, x, m: r.add_batch(x, mask=m))
-_update = eqx.filter_jit(lambda r: r.update(bump))
-_sample = eqx.filter_jit(lambda r, key: r.sample(key, 16))
 _sample_n = eqx.filter_jit(lambda r, key, n: r.sample(key, n))  # n: a static Python int
 
 
@@ -54,8 +51,10 @@ ID_ERROR = "cluster id outside"
 BAD_IDS = [-1, -(2**31), 2**31 - 1]  # plus num_clusters itself, added per machine
 
 
-class ClusteredReplayMachine(RuleBasedStateMachine):
+class ClusteredReplayMachine(ItemRules, SampleSupportRule):
     """Random add / add_batch / update / sample sequences, good and bad ids, against the model."""
+
+    empty_message = "cannot sample from an empty ClusteredReplay"
 
     # A few configurations, so that compiled steps are reused across examples; the powers are
     # covered exactly by the statistical tests below.
@@ -67,15 +66,13 @@ class ClusteredReplayMachine(RuleBasedStateMachine):
     def init(self, spec_name, shape, seed):
         num_clusters, max_size = shape
         power = 0.5
-        self.spec = _machine_spec(spec_name)
         self.num_clusters = num_clusters
-        self.rng = np.random.default_rng(seed)
-        inner = dx.UniformReplay(self.spec, max_size)
-        self.replay = dx.ClusteredReplay(inner, num_clusters, cluster_of, power)
-        self.model = RefClusteredReplay(
+        spec = _machine_spec(spec_name)
+        inner = dx.UniformReplay(spec, max_size)
+        model = RefClusteredReplay(
             num_clusters, cluster_of, power, inner=lambda: RefUniformReplay(max_size)
         )
-        self.key = jax.random.key(seed)
+        self.start(spec, seed, dx.ClusteredReplay(inner, num_clusters, cluster_of, power), model)
 
     def _ids(self, data, n, *, bad):
         ids = data.draw(st.lists(st.integers(0, self.num_clusters - 1), min_size=n, max_size=n))
@@ -98,58 +95,38 @@ class ClusteredReplayMachine(RuleBasedStateMachine):
             with pytest.raises(RuntimeError, match=ID_ERROR):
                 op()
             return
-        self.replay = op()
+        self.buffer = op()
 
     @rule(data=st.data(), bad=st.booleans())
     def add(self, data, bad):
         item = random_item(self.spec, self.rng)
         item["c"] = self._ids(data, 1, bad=bad)[0]
-        self._expect(lambda: _add(self.replay, item), lambda: self.model.add(item))
+        self._expect(lambda: self.call("add", item), lambda: self.model.add(item))
 
     @rule(data=st.data(), n=st.sampled_from([0, 2, 7]), bad=st.booleans())
-    def add_batch(self, data, n, bad):
+    def add_batch(self, data, n, bad):  # overrides ItemRules.add_batch: ids, good and bad
         items = self._batch(self._ids(data, n, bad=bad))
         self._expect(
-            lambda: _add_batch(self.replay, items), lambda: self.model.add_batch(unstack(items, n))
+            lambda: self.call("add_batch", items), lambda: self.model.add_batch(unstack(items, n))
         )
 
     @rule(data=st.data(), n=st.sampled_from([0, 2, 7]), bad=st.booleans())
     def add_batch_masked(self, data, n, bad):
         # A bad id under a False mask entry is no error: that item is not in the batch.
-        mask = np.asarray(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)), bool)
+        mask = self.draw_mask(data, n)
         items = self._batch(self._ids(data, n, bad=bad))
         valid = [item for item, m in zip(unstack(items, n), mask) if m]
         self._expect(
-            lambda: _add_batch_masked(self.replay, items, mask),
+            lambda: self.call("add_batch", items, mask=mask),
             lambda: self.model.add_batch(valid),
         )
 
-    @precondition(lambda self: self.model.size > 0)
-    @rule()
-    def update(self):
-        # `bump` changes "c" too: stored items keep their cluster, as in the model.
-        self.replay = _update(self.replay)
-        self.model.update(lambda item: to_numpy(bump(item)))
-
-    @rule()
-    def sample(self):
-        self.key, key = jax.random.split(self.key)
-        if self.model.size == 0:
-            with pytest.raises(RuntimeError, match="cannot sample from an empty ClusteredReplay"):
-                _sample(self.replay, key)
-            return
-        batch = _sample(self.replay, key)
-        stored = self.model.contents()
-        # Every sampled row is a stored item (the support is exact).
-        for row in unstack(batch, 16):
-            assert any(tree_equal(row, item) for item in stored), row
-
     @invariant()
     def same_contents(self):
-        slots, sizes, size = _cluster_contents(self.replay)
+        slots, sizes, size = _cluster_contents(self.buffer)
         assert sizes.tolist() == self.model.cluster_sizes
         assert int(size) == self.model.size
-        assert self.replay.max_size == self.num_clusters * self.model.clusters[0].buffer.max_size
+        assert self.buffer.max_size == self.num_clusters * self.model.clusters[0].buffer.max_size
         for c, cluster in enumerate(self.model.clusters):
             for i, expected in enumerate(cluster.contents()):
                 assert_tree_equal(jax.tree.map(lambda x: x[c, i], slots), expected)
@@ -470,7 +447,12 @@ def _inner():
         (dict(distribution_power=jnp.asarray(1.0)), TypeError, "must be a Python float"),
         (dict(inner=_inner().add({"c": 0, "x": jnp.zeros(2)})), ValueError, "must be an empty"),
         (
-            dict(inner=dx.UniformReplay(jnp.zeros(()), 2**30), num_clusters=2),
+            # Shapes only (`filter_eval_shape`): a real 2**30-slot replay is 4 GB, and this
+            # list is built when the tests are collected.
+            dict(
+                inner=eqx.filter_eval_shape(lambda: dx.UniformReplay(jnp.zeros(()), 2**30)),
+                num_clusters=2,
+            ),
             ValueError,
             "must fit in int32",
         ),
@@ -516,63 +498,6 @@ def _items(n, start=0):
         "c": jnp.arange(start, start + n, dtype=jnp.int32) % 3,
         "x": jnp.arange(start, start + 4 * n, dtype=jnp.float32).reshape(n, 4),
     }
-
-
-def test_donated_step_updates_in_place():
-    # "warn" turns any donated array XLA could not reuse into a warning: an error here.
-    @eqx.filter_jit(donate="warn-except-first")
-    def step(inputs, replay):
-        items, key = inputs
-        replay, batch = replay.add_and_sample(items, key, 8)
-        return replay, batch["x"].sum()
-
-    replay = dx.ClusteredReplay(dx.UniformReplay(_proto(), 100), 3, cluster_of, 1.0)
-    data = replay.clusters.storage.data["x"]
-    pointer = data.unsafe_buffer_pointer()
-    for i in range(4):
-        old = replay.clusters.storage.data["x"]
-        replay, _ = step((_items(8, 8 * i), jax.random.key(i)), replay)
-        assert old.is_deleted()
-        assert replay.clusters.storage.data["x"].unsafe_buffer_pointer() == pointer
-    assert int(replay.size) == 32
-
-
-def test_scan_carry_equals_python_loop():
-    def body(replay, xs):
-        items, key = xs
-        return replay.add_and_sample(items, key, 5)
-
-    n_steps = 5
-    items = jax.tree.map(lambda x: x.reshape(n_steps, 4, *x.shape[1:]), _items(4 * n_steps))
-    keys = jax.random.split(jax.random.key(0), n_steps)
-    replay0 = dx.ClusteredReplay(dx.UniformReplay(_proto(), 3), 3, cluster_of, 0.5)
-    scanned, batches = jax.lax.scan(body, replay0, (items, keys))
-    replay = replay0
-    for t in range(n_steps):
-        replay, batch = eqx.filter_jit(body)(replay, jax.tree.map(lambda x: x[t], (items, keys)))
-        assert_tree_equal(jax.tree.map(lambda x: x[t], batches), batch)
-    assert_tree_equal(to_numpy(scanned), to_numpy(replay))
-
-
-def test_vmap_batch_of_clustered_replays():
-    num = 2
-    make = eqx.filter_vmap(
-        lambda p: dx.ClusteredReplay(dx.UniformReplay(p, 5), 3, cluster_of),
-        in_axes=None,
-        axis_size=num,
-    )
-    replays = eqx.filter_jit(make)(_proto())
-    assert replays.clusters.storage.data["x"].shape == (num, 3, 5, 4)
-    per_replay = [_items(6, 10 * k) for k in range(num)]
-    batch = jax.tree.map(lambda *xs: jnp.stack(xs), *per_replay)
-    replays = eqx.filter_jit(eqx.filter_vmap(lambda r, x: r.add_batch(x)))(replays, batch)
-    keys = jax.random.split(jax.random.key(0), num)
-    samples = eqx.filter_jit(eqx.filter_vmap(lambda r, k: r.sample(k, 7)))(replays, keys)
-    for k in range(num):
-        single = dx.ClusteredReplay(dx.UniformReplay(_proto(), 5), 3, cluster_of)
-        single = _add_batch(single, per_replay[k])
-        assert_tree_equal(to_numpy(jax.tree.map(lambda x: x[k], replays)), to_numpy(single))
-        assert_tree_equal(jax.tree.map(lambda x: x[k], samples), _sample_n(single, keys[k], 7))
 
 
 def test_same_function_compiles_once_a_fresh_lambda_retraces():

@@ -7,7 +7,6 @@ import os
 import stat
 import struct
 from collections.abc import Callable
-from typing import Any, NamedTuple
 
 import dejax_eqx as dx
 import equinox as eqx
@@ -19,116 +18,24 @@ import pytest
 from hypothesis import given
 
 from .helpers import assert_bits_equal, random_bits_batch, SPECS
+from .registry import BUFFER_TYPES, BufferType, make_batch, stack
 
 
 # ---------------------------------------------------------------------------------------------
-# Buffer cases. The round-trip tests (here, and on four devices in `four_devices.py`) run over
-# this list; covering another buffer type is adding one entry: how to make an empty buffer (also
-# the template for `load`) and one random operation that changes its contents. Each case is also
-# run as a batch of independent buffers (what `eqx.filter_vmap` makes), built by stacking.
-
-
-class BufferCase(NamedTuple):
-    name: str
-    make: Callable[[Any, int], Any]  # (item spec, capacity) -> empty buffer
-    step: Callable[[Any, Any, np.random.Generator], Any]  # (buffer, spec, rng) -> buffer
-
-
+# The round trips (here, and on four devices in `four_devices.py`) run over every buffer type of
+# `tests/registry.py`: its `make` (also the template for `load`) and its `step`, one random
+# operation that changes the contents. Each is also run as a batch of independent buffers (what
+# `eqx.filter_vmap` makes), built by stacking.
+#
 # Few shapes, so that compiled operations are reused across examples: capacities 1 and 4, batches
 # that fill part of a buffer or wrap around it, and item specs with every dtype that must survive
 # bit for bit (bfloat16, float32 with NaN payloads, bool, uint32, int8).
 MAX_SIZES = [1, 4]
 SPEC_NAMES = ["nested", "tuple", "namedtuple"]
-_BATCH_SIZES = [1, 6]
-
-_push_batch = eqx.filter_jit(lambda b, x: b.push_batch(x))
-_add_batch = eqx.filter_jit(lambda b, x: b.add_batch(x))
-_add_batch_masked = eqx.filter_jit(lambda b, x, m: b.add_batch(x, mask=m))
+BUFFER_CASES = BUFFER_TYPES
 
 
-def _items(spec, rng):
-    n = int(rng.choice(_BATCH_SIZES))
-    return random_bits_batch(spec, n, rng), n
-
-
-def _circular_step(buf, spec, rng):
-    return _push_batch(buf, _items(spec, rng)[0])
-
-
-def _uniform_step(buf, spec, rng):
-    items, n = _items(spec, rng)
-    if rng.random() < 0.5:
-        return _add_batch_masked(buf, items, rng.random(n) < 0.5)
-    return _add_batch(buf, items)
-
-
-_add_batch_p = eqx.filter_jit(lambda b, x, p: b.add_batch(x, p))
-_set_priorities = eqx.filter_jit(lambda b, i, p: b.set_priorities(i, p))
-_add_envs = eqx.filter_jit(lambda b, x, ids: b.add(x, env_ids=ids))
-_reset_online = eqx.filter_jit(lambda b: b.reset_online_queue())
-
-
-def _prioritised_step(buf, spec, rng):
-    items, n = _items(spec, rng)
-    # Priorities of every magnitude, zeros included; the maximum priority is state too.
-    priorities = (rng.random(n) * 10.0 ** rng.integers(-3, 4, n)) * (rng.random(n) < 0.8)
-    buf = _add_batch_p(buf, items, priorities.astype(np.float32))
-    size = int(buf.size)
-    k = int(rng.integers(1, 4))
-    return _set_priorities(buf, rng.integers(0, size, k), rng.random(k).astype(np.float32))
-
-
-def _cluster_of(item):
-    """0, 1 or 2 from the first entry of the first leaf (NaN, positive, other)."""
-    x = jnp.ravel(jax.tree.leaves(item)[0])[0].astype(jnp.float32)
-    return jnp.where(jnp.isnan(x), 2, (x > 0).astype(jnp.int32))
-
-
-def _clustered(spec, max_size):
-    return dx.ClusteredReplay(dx.PrioritisedReplay(spec, max_size), 3, _cluster_of, 0.5)
-
-
-def _clustered_step(buf, spec, rng):
-    items, _ = _items(spec, rng)
-    return _add_batch(buf, items)
-
-
-_NUM_ENVS = 3
-
-
-def _trajectory(spec, max_length):
-    return dx.TrajectoryBuffer(spec, _NUM_ENVS, max_length)
-
-
-def _trajectory_step(buf, spec, rng):
-    # Steps for a random subset of envs, in random order; now and then a new online queue.
-    if rng.random() < 0.25:
-        buf = _reset_online(buf)
-    n = int(rng.integers(1, _NUM_ENVS + 1))
-    ids = rng.permutation(_NUM_ENVS)[:n].astype(np.int32)
-    return _add_envs(buf, random_bits_batch(spec, n, rng), ids)
-
-
-BUFFER_CASES = [
-    BufferCase("CircularBuffer", dx.CircularBuffer, _circular_step),
-    BufferCase("UniformReplay", dx.UniformReplay, _uniform_step),
-    BufferCase("PrioritisedReplay", dx.PrioritisedReplay, _prioritised_step),
-    BufferCase("ClusteredReplay", _clustered, _clustered_step),
-    BufferCase("TrajectoryBuffer", _trajectory, _trajectory_step),
-]
-
-
-def stack(trees: list) -> Any:
-    """Independent buffers of one configuration as one batch, as `eqx.filter_vmap` makes it."""
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
-
-
-@eqx.filter_jit
-def make_batch(make, spec, max_size, copies):
-    return eqx.filter_vmap(lambda: make(spec, max_size), axis_size=copies)()
-
-
-def batch_step(case: BufferCase, batch, spec, rng, copies: int):
+def batch_step(case: BufferType, batch, spec, rng, copies: int):
     """`case.step` applied to every buffer of a batch, each with its own random items."""
     rows = [jax.tree.map(lambda x: x[i], batch) for i in range(copies)]
     return stack([case.step(row, spec, rng) for row in rows])

@@ -435,31 +435,6 @@ def _items(n, start=0):
     }
 
 
-def test_donated_training_step_updates_in_place():
-    @eqx.filter_jit(donate="warn-except-first")
-    def step(inputs, replay):
-        items, key = inputs
-        replay, s = replay.add_and_sample(items, key, 32)
-        w = dx.importance_weights(s.probabilities, replay.size, 0.4)
-        replay = replay.set_priorities(s.indices, w * jnp.abs(s.items["obs"][:, 0]) + 0.1)
-        return replay, s.items["obs"].sum()
-
-    replay = dx.PrioritisedReplay(ITEM, 1000)
-    pointers = (
-        replay.storage.data["obs"].unsafe_buffer_pointer(),
-        replay.tree.nodes.unsafe_buffer_pointer(),
-    )
-    for i in range(3):
-        old = replay.tree.nodes
-        replay, _ = step((_items(16, 16 * i), jax.random.key(i)), replay)
-        assert old.is_deleted()
-    assert pointers == (
-        replay.storage.data["obs"].unsafe_buffer_pointer(),
-        replay.tree.nodes.unsafe_buffer_pointer(),
-    )
-    assert int(replay.size) == 48
-
-
 def test_scan_carry_equals_python_loop():
     def body(replay, xs):
         items, key = xs
@@ -478,27 +453,6 @@ def test_scan_carry_equals_python_loop():
         replay, s = step(replay, jax.tree.map(lambda x: x[t], (items, keys)))
         assert_tree_equal(jax.tree.map(lambda x: x[t], samples), s)
     assert_tree_equal(to_numpy(scanned), to_numpy(replay))
-
-
-def test_vmap_batch_of_replays():
-    num = 3
-    replays = eqx.filter_vmap(lambda p: dx.PrioritisedReplay(p, 5), in_axes=None, axis_size=num)(
-        ITEM
-    )
-    assert replays.tree.nodes.shape[0] == num and replays.max_size == 5
-    per_replay = [_items(4, 10 * k) for k in range(num)]
-    batch = jax.tree.map(lambda *xs: jnp.stack(xs), *per_replay)
-    priorities = jnp.array([[1.0, 2, 3, 4], [0, 0, 5, 1], [9, 1, 1, 1]])
-    masks = jnp.array([[True, True, False, True], [True] * 4, [False, True, True, False]])
-    add = eqx.filter_jit(lambda r, x, p, m: r.add_batch(x, p, mask=m))
-    sample = eqx.filter_jit(lambda r, k: r.sample(k, 7))
-    replays = eqx.filter_vmap(add)(replays, batch, priorities, masks)
-    keys = jax.random.split(jax.random.key(0), num)
-    samples = eqx.filter_vmap(sample)(replays, keys)
-    for k in range(num):
-        single = add(dx.PrioritisedReplay(ITEM, 5), per_replay[k], priorities[k], masks[k])
-        assert_tree_equal(to_numpy(jax.tree.map(lambda x: x[k], replays)), to_numpy(single))
-        assert_tree_equal(jax.tree.map(lambda x: x[k], samples), sample(single, keys[k]))
 
 
 def test_vmapped_draw_from_empty_replays_does_not_raise():

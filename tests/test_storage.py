@@ -6,9 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from dejax_eqx._storage import ring_add, ring_sub
-from hypothesis.stateful import initialize, invariant, precondition, rule, RuleBasedStateMachine
+from hypothesis.stateful import initialize, invariant, rule
 
-from .helpers import assert_tree_equal, bump, random_batch, random_item, SPECS, to_numpy, unstack
+from .helpers import assert_tree_equal, random_batch, SPECS, to_numpy, unstack
+from .machines import ItemRules
 from .reference import EmptyBufferError, RefCircularBuffer
 
 
@@ -16,37 +17,14 @@ MAX_SIZES = [1, 2, 3, 5, 8]
 # Batch lengths: empty, smaller than, equal to and (several times) larger than the capacities.
 BATCH_SIZES = [0, 1, 2, 3, 5, 7, 13, 17]
 
-# Module-level jitted operations: compiled once per (spec, max_size, n) and reused across examples.
-_push = eqx.filter_jit(lambda cb, x: cb.push(x))
-_push_batch = eqx.filter_jit(lambda cb, x: cb.push_batch(x))
-_push_batch_masked = eqx.filter_jit(lambda cb, x, m: cb.push_batch(x, mask=m))
-_pop = eqx.filter_jit(lambda cb: cb.pop())
 _get = eqx.filter_jit(lambda cb, i: cb.get(i))
-_update = eqx.filter_jit(lambda cb: cb.update(bump))
-_eager = {
-    "push": lambda cb, x: cb.push(x),
-    "push_batch": lambda cb, x: cb.push_batch(x),
-    "push_batch_masked": lambda cb, x, m: cb.push_batch(x, mask=m),
-    "pop": lambda cb: cb.pop(),
-    "get": lambda cb, i: cb.get(i),
-    "update": lambda cb: cb.update(bump),
-}
-_jitted = {
-    "push": _push,
-    "push_batch": _push_batch,
-    "push_batch_masked": _push_batch_masked,
-    "pop": _pop,
-    "get": _get,
-    "update": _update,
-}
 
 
-def _model_bump(item):
-    return to_numpy(bump(item))
-
-
-class CircularBufferMachine(RuleBasedStateMachine):
+class CircularBufferMachine(ItemRules):
     """Random operation sequences through `CircularBuffer` and the model, side by side."""
+
+    add_one, add_many = "push", "push_batch"
+    batch_sizes = tuple(BATCH_SIZES)
 
     @initialize(
         spec_name=st.sampled_from(sorted(SPECS)),
@@ -55,30 +33,9 @@ class CircularBufferMachine(RuleBasedStateMachine):
         seed=st.integers(0, 2**32 - 1),
     )
     def init(self, spec_name, max_size, jit, seed):
-        self.spec = SPECS[spec_name]
-        self.rng = np.random.default_rng(seed)
-        self.ops = _jitted if jit else _eager
-        self.cb = dx.CircularBuffer(self.spec, max_size)
-        self.model = RefCircularBuffer(max_size)
-
-    @rule()
-    def push(self):
-        item = random_item(self.spec, self.rng)
-        self.cb = self.ops["push"](self.cb, item)
-        self.model.push(item)
-
-    @rule(n=st.sampled_from(BATCH_SIZES))
-    def push_batch(self, n):
-        items = random_batch(self.spec, n, self.rng)
-        self.cb = self.ops["push_batch"](self.cb, items)
-        self.model.push_batch(unstack(items, n))
-
-    @rule(data=st.data(), n=st.sampled_from(BATCH_SIZES))
-    def push_batch_masked(self, data, n):
-        mask = np.asarray(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)), bool)
-        items = random_batch(self.spec, n, self.rng)
-        self.cb = self.ops["push_batch_masked"](self.cb, items, mask)
-        self.model.push_batch([item for item, m in zip(unstack(items, n), mask) if m])
+        spec = SPECS[spec_name]
+        self.jit = jit
+        self.start(spec, seed, dx.CircularBuffer(spec, max_size), RefCircularBuffer(max_size))
 
     @rule()
     def pop(self):
@@ -86,9 +43,9 @@ class CircularBufferMachine(RuleBasedStateMachine):
             expected = self.model.pop()
         except EmptyBufferError:
             with pytest.raises(RuntimeError, match="cannot pop from an empty CircularBuffer"):
-                self.ops["pop"](self.cb)
+                self.call("pop")
         else:
-            item, self.cb = self.ops["pop"](self.cb)
+            item, self.buffer = self.call("pop")
             assert_tree_equal(item, expected, "pop")
 
     @rule(index=st.integers(-2, 9))
@@ -97,26 +54,20 @@ class CircularBufferMachine(RuleBasedStateMachine):
             expected = self.model.get(index)
         except IndexError:
             with pytest.raises(RuntimeError, match="index out of range"):
-                self.ops["get"](self.cb, jnp.asarray(index, jnp.int32))
+                self.call("get", jnp.asarray(index, jnp.int32))
         else:
-            assert_tree_equal(self.ops["get"](self.cb, jnp.asarray(index, jnp.int32)), expected)
-
-    @precondition(lambda self: self.model.size > 0)
-    @rule()
-    def update(self):
-        self.cb = self.ops["update"](self.cb)
-        self.model.update(_model_bump)
+            assert_tree_equal(self.call("get", jnp.asarray(index, jnp.int32)), expected)
 
     @invariant()
     def same_state(self):
         m = self.model
-        assert int(self.cb.size) == m.size
-        assert bool(self.cb.is_full) == m.is_full
-        assert bool(self.cb.is_empty) == m.is_empty
+        assert int(self.buffer.size) == m.size
+        assert bool(self.buffer.is_full) == m.is_full
+        assert bool(self.buffer.is_empty) == m.is_empty
         # Bounded ring indices: the write position stays in [0, max_size).
-        assert 0 <= int(self.cb.head) < self.cb.max_size
+        assert 0 <= int(self.buffer.head) < self.buffer.max_size
         for i, expected in enumerate(m.items):
-            assert_tree_equal(_get(self.cb, jnp.asarray(i, jnp.int32)), expected, f"get({i})")
+            assert_tree_equal(_get(self.buffer, jnp.asarray(i, jnp.int32)), expected, f"get({i})")
 
 
 TestCircularBufferMachine = CircularBufferMachine.TestCase

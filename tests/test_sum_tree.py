@@ -267,12 +267,8 @@ def test_set_find_cost_is_logarithmic_in_the_jaxpr():
                 check(sub)
 
     indices = jnp.arange(n, dtype=jnp.int32)
-    check(
-        jax.make_jaxpr(lambda t, i, v: _sum_tree.set_leaves(t, i, v))(
-            tree, indices, jnp.ones(n)
-        ).jaxpr
-    )
-    check(jax.make_jaxpr(_sum_tree.find_leaves)(tree, jnp.ones(n)).jaxpr)
+    check(jax.make_jaxpr(lambda t, i, v: t.set(i, v))(tree, indices, jnp.ones(n)).jaxpr)
+    check(jax.make_jaxpr(lambda t, u: t.find(u))(tree, jnp.ones(n)).jaxpr)
 
 
 def test_float64_tree():
@@ -304,16 +300,6 @@ def test_argument_validation():
         tree.set(jnp.array([0, 1]), jnp.array([1.0]))
     with pytest.raises(TypeError, match="integer dtype|parameter"):
         tree.set(jnp.array([0.0]), jnp.array([1.0]))
-
-
-def test_vmap_batch_of_trees():
-    trees = eqx.filter_vmap(lambda _: dx.SumTree(20), axis_size=3)(jnp.zeros(3))
-    indices = jnp.array([[0, 1], [5, 5], [19, 0]])
-    values = jnp.array([[1.0, 2.0], [3.0, 4.0], [5.0, 0.0]])
-    trees = eqx.filter_vmap(lambda t, i, v: t.set(i, v))(trees, indices, values)
-    assert eqx.filter_vmap(lambda t: t.total)(trees).tolist() == [3.0, 4.0, 5.0]
-    found = eqx.filter_vmap(lambda t: t.find(jnp.array([0.5, 1.5])))(trees)
-    assert found.tolist() == [[0, 1], [5, 5], [19, 19]]
 
 
 @given(

@@ -5,32 +5,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis.stateful import initialize, invariant, precondition, rule, RuleBasedStateMachine
+from hypothesis.stateful import initialize, invariant
 
 from .helpers import (
     assert_frequencies,
     assert_tree_equal,
-    bump,
     random_batch,
-    random_item,
     SPECS,
     to_numpy,
-    tree_equal,
-    unstack,
 )
+from .machines import ItemRules, SampleSupportRule
 from .reference import RefUniformReplay
 
 
-_add = eqx.filter_jit(lambda r, x: r.add(x))
-_add_batch = eqx.filter_jit(lambda r, x: r.add_batch(x))
-_add_batch_masked = eqx.filter_jit(lambda r, x, m: r.add_batch(x, mask=m))
-_update = eqx.filter_jit(lambda r: r.update(bump))
-_sample = eqx.filter_jit(lambda r, key: r.sample(key, 16))
 _get = eqx.filter_jit(lambda r, i: r.storage.get(i))
 
 
-class UniformReplayMachine(RuleBasedStateMachine):
+class UniformReplayMachine(ItemRules, SampleSupportRule):
     """Random add / add_batch / update / sample sequences against the model."""
+
+    batch_sizes = (0, 1, 4, 9)
+    empty_message = "cannot sample from an empty UniformReplay"
 
     @initialize(
         spec_name=st.sampled_from(sorted(SPECS)),
@@ -38,56 +33,15 @@ class UniformReplayMachine(RuleBasedStateMachine):
         seed=st.integers(0, 2**32 - 1),
     )
     def init(self, spec_name, max_size, seed):
-        self.spec = SPECS[spec_name]
-        self.rng = np.random.default_rng(seed)
-        self.replay = dx.UniformReplay(self.spec, max_size)
-        self.model = RefUniformReplay(max_size)
-        self.key = jax.random.key(seed)
-
-    @rule()
-    def add(self):
-        item = random_item(self.spec, self.rng)
-        self.replay = _add(self.replay, item)
-        self.model.add(item)
-
-    @rule(n=st.sampled_from([0, 1, 4, 9]))
-    def add_batch(self, n):
-        items = random_batch(self.spec, n, self.rng)
-        self.replay = _add_batch(self.replay, items)
-        self.model.add_batch(unstack(items, n))
-
-    @rule(data=st.data(), n=st.sampled_from([0, 1, 4, 9]))
-    def add_batch_masked(self, data, n):
-        mask = np.asarray(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)), bool)
-        items = random_batch(self.spec, n, self.rng)
-        self.replay = _add_batch_masked(self.replay, items, mask)
-        self.model.add_batch([item for item, m in zip(unstack(items, n), mask) if m])
-
-    @precondition(lambda self: self.model.size > 0)
-    @rule()
-    def update(self):
-        self.replay = _update(self.replay)
-        self.model.update(lambda item: to_numpy(bump(item)))
-
-    @rule()
-    def sample(self):
-        self.key, key = jax.random.split(self.key)
-        if self.model.size == 0:
-            with pytest.raises(RuntimeError, match="cannot sample from an empty UniformReplay"):
-                _sample(self.replay, key)
-            return
-        batch = _sample(self.replay, key)
-        stored = self.model.contents()
-        # Every sampled row is one of the stored items (the support is exact).
-        for row in unstack(batch, 16):
-            assert any(tree_equal(row, item) for item in stored), row
+        spec = SPECS[spec_name]
+        self.start(spec, seed, dx.UniformReplay(spec, max_size), RefUniformReplay(max_size))
 
     @invariant()
     def same_contents(self):
-        assert int(self.replay.size) == self.model.size
-        assert self.replay.max_size == self.model.buffer.max_size
+        assert int(self.buffer.size) == self.model.size
+        assert self.buffer.max_size == self.model.buffer.max_size
         for i, expected in enumerate(self.model.contents()):
-            assert_tree_equal(_get(self.replay, jnp.asarray(i, jnp.int32)), expected)
+            assert_tree_equal(_get(self.buffer, jnp.asarray(i, jnp.int32)), expected)
 
 
 TestUniformReplayMachine = UniformReplayMachine.TestCase
@@ -167,3 +121,12 @@ def test_sampling_a_fresh_key_gives_new_draws():
     assert not np.array_equal(a, b)
     # Raw uint32 keys work too.
     assert replay.sample(jax.random.PRNGKey(0), 3).shape == (3,)
+
+
+def test_vmap_empty_buffer_error():
+    bufs = eqx.filter_vmap(lambda p: dx.UniformReplay(p, 5), in_axes=None, axis_size=2)(
+        {"obs": jnp.zeros((4,), jnp.float32), "action": jnp.zeros((), jnp.int32)}
+    )
+    keys = jax.random.split(jax.random.key(0), 2)
+    with pytest.raises(RuntimeError, match="cannot sample from an empty UniformReplay"):
+        eqx.filter_vmap(lambda b, k: b.sample(k, 3))(bufs, keys)

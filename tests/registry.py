@@ -1,0 +1,508 @@
+"""One registry of every buffer type, for the tests that cut across them.
+
+Each `BufferType` says how to make a small empty instance (also the template for `dx.load`),
+how to put a few items in it, and every public method and array-valued property with example
+arguments. The cross-cutting tests (`test_transforms.py`: jit, donation, scan, vmap;
+`four_devices.py`: `shard_map`; `test_io.py`: save/load) are parametrised over it, so covering a
+new buffer type, or a new method, is adding an entry here; `test_registry_covers_the_public_api`
+fails until it is.
+
+A `Method` is `call(buffer, args) -> (new_buffer | None, output | None)`: `args` is a pytree
+of arrays (items, keys, indices) and everything static (batch sizes, sources) is baked into
+`call`, so the same call runs eagerly, under `jit`, `vmap` (a batch of buffers, one `args` row
+each) and `shard_map` (one buffer per device). `args(seed)` makes one buffer's arguments.
+
+Shapes are few and fixed (one item spec, capacity 4, batches of 3), so each `call` compiles
+once per transformation and the compiled functions are shared by every test that uses them.
+"""
+
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import dejax_eqx as dx
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .helpers import bump, random_bits_batch
+
+
+# The item of every registry instance: a float vector (NaN payloads survive bit for bit) and an
+# int scalar.
+ITEM = {"obs": jax.ShapeDtypeStruct((3,), jnp.float32), "act": jax.ShapeDtypeStruct((), jnp.int8)}
+CAPACITY = 4
+BATCH = 3  # items per add_batch, and rows per sample
+NUM_ENVS = 3  # TrajectoryBuffer
+SEQUENCE = 2  # TrajectoryBuffer: sequence length
+
+
+class Method(NamedTuple):
+    call: Callable[[Any, Any], tuple[Any, Any]]  # (buffer, args) -> (new buffer | None, output)
+    args: Callable[[int], Any]  # seed -> one buffer's arguments (a pytree of arrays)
+    mutates: bool  # returns a new buffer (which the donation tests donate)
+
+
+class BufferType(NamedTuple):
+    name: str
+    cls: type
+    make: Callable[[Any, int], Any]  # (item spec, capacity) -> empty buffer
+    fill: Method  # puts a few items in an empty buffer (sampling needs some)
+    methods: dict[str, Method]  # every public method and array-valued property
+    # Public methods and properties that are not in `methods`, and why.
+    others: dict[str, str]
+    # One random operation that changes the contents, for the save/load round trips:
+    # (buffer, item spec, rng) -> buffer. Eager calls of module-level jitted functions.
+    step: Callable[[Any, Any, np.random.Generator], Any]
+
+
+def _new(call, args) -> Method:
+    """A method that returns a new buffer (and possibly an output)."""
+    return Method(call, args, True)
+
+
+def _key(seed: int):
+    return jax.random.key(seed)
+
+
+def _items(seed: int, n: int = BATCH, spec=ITEM):
+    return random_bits_batch(spec, n, np.random.default_rng(seed))
+
+
+def _item(seed: int):
+    return jax.tree.map(lambda x: x[0], _items(seed, 1))
+
+
+def _mask(seed: int, n: int = BATCH):
+    mask = np.random.default_rng(seed).random(n) < 0.5
+    mask[0] = True  # at least one item goes in
+    return mask
+
+
+def _priorities(seed: int, n: int = BATCH):
+    rng = np.random.default_rng(seed)
+    return (rng.random(n) * 4.0 + 0.25).astype(np.float32)
+
+
+def _indices(seed: int, n: int = BATCH, high: int = BATCH):
+    # Stored slots of a filled instance (fill adds BATCH items): always in range.
+    return np.random.default_rng(seed).integers(0, high, n).astype(np.int32)
+
+
+def _none(seed: int):
+    return ()
+
+
+def _query(fn, args) -> Method:
+    """A method or property that reads the buffer and returns arrays."""
+    return Method(lambda b, a: (None, fn(b, a)), args, False)
+
+
+# ---------------------------------------------------------------------------------------------
+# CircularBuffer
+
+
+_circular_fill = _new(lambda b, a: (b.push_batch(a), None), _items)
+
+_CIRCULAR = {
+    "push": _new(lambda b, a: (b.push(a), None), _item),
+    "push_batch": _new(lambda b, a: (b.push_batch(a), None), _items),
+    "push_batch(mask)": _new(
+        lambda b, a: (b.push_batch(a[0], mask=a[1]), None),
+        lambda s: (_items(s), _mask(s)),
+    ),
+    "pop": _new(lambda b, a: (lambda item, new: (new, item))(*b.pop()), _none),
+    "get": _query(lambda b, a: b.get(a), lambda s: np.int32(s % BATCH)),
+    "update": _new(lambda b, a: (b.update(bump), None), _none),
+    "size": _query(lambda b, a: b.size, _none),
+    "is_empty": _query(lambda b, a: b.is_empty, _none),
+    "is_full": _query(lambda b, a: b.is_full, _none),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# The replays: what every AbstractReplay has, then each one's own methods.
+
+
+def _replay_methods() -> dict[str, Method]:
+    return {
+        "add": _new(lambda b, a: (b.add(a), None), _item),
+        "add_batch": _new(lambda b, a: (b.add_batch(a), None), _items),
+        "add_batch(mask)": _new(
+            lambda b, a: (b.add_batch(a[0], mask=a[1]), None),
+            lambda s: (_items(s), _mask(s)),
+        ),
+        "sample": _query(lambda b, a: b.sample(a, BATCH), _key),
+        "add_and_sample": _new(
+            lambda b, a: b.add_and_sample(a[0], a[1], BATCH),
+            lambda s: (_items(s), _key(s)),
+        ),
+        "update": _new(lambda b, a: (b.update(bump), None), _none),
+        "size": _query(lambda b, a: b.size, _none),
+    }
+
+
+_replay_fill = _new(lambda b, a: (b.add_batch(a), None), _items)
+
+_PRIORITISED = {
+    **_replay_methods(),
+    "add(priority)": _new(
+        lambda b, a: (b.add(a[0], a[1]), None),
+        lambda s: (_item(s), _priorities(s, 1)[0]),
+    ),
+    "add_batch(priorities, mask)": _new(
+        lambda b, a: (b.add_batch(a[0], a[1], mask=a[2]), None),
+        lambda s: (_items(s), _priorities(s), _mask(s)),
+    ),
+    "set_priorities": _new(
+        lambda b, a: (b.set_priorities(a[0], a[1]), None),
+        lambda s: (_indices(s), _priorities(s)),
+    ),
+    "set_priorities(mask)": _new(
+        lambda b, a: (b.set_priorities(a[0], a[1], mask=a[2]), None),
+        lambda s: (_indices(s), _priorities(s), _mask(s)),
+    ),
+    "max_priority": _query(lambda b, a: b.max_priority, _none),
+    # The free function that goes with a prioritised sample.
+    "importance_weights": _query(
+        lambda b, a: dx.importance_weights(b.sample(a, BATCH).probabilities, b.size, 0.4),
+        _key,
+    ),
+}
+
+
+def cluster_of(item):
+    """0, 1 or 2 from the first entry of the first leaf (zero, positive, negative or NaN):
+    works for any item spec, and one module-level function, so compiled steps are reused."""
+    x = jnp.ravel(jax.tree.leaves(item)[0])[0].astype(jnp.float32)
+    return jnp.where(x > 0, 1, jnp.where(x == 0, 0, 2)).astype(jnp.int32)
+
+
+NUM_CLUSTERS = 3
+
+
+def _clustered_uniform(spec, capacity):
+    return dx.ClusteredReplay(dx.UniformReplay(spec, capacity), NUM_CLUSTERS, cluster_of, 0.5)
+
+
+def _clustered_prioritised(spec, capacity):
+    inner = dx.PrioritisedReplay(spec, capacity)
+    return dx.ClusteredReplay(inner, NUM_CLUSTERS, cluster_of, 0.5)
+
+
+_CLUSTERED = {
+    **_replay_methods(),
+    "cluster_sizes": _query(lambda b, a: b.cluster_sizes, _none),
+}
+
+
+def _cluster_ids(seed: int):
+    return np.random.default_rng(seed).integers(0, NUM_CLUSTERS, BATCH).astype(np.int32)
+
+
+def _clustered_set_priorities(b, a):
+    # Slot 0 of any cluster that holds an item; the others are masked out by pointing them at
+    # a cluster's slot 0 only where it is stored.
+    ids, priorities = a
+    return b.set_priorities(ids, jnp.zeros_like(ids), priorities)
+
+
+_CLUSTERED_PRIORITISED = {
+    **_CLUSTERED,
+    "set_priorities": _new(
+        lambda b, a: (_clustered_set_priorities(b, a), None),
+        lambda s: (np.zeros(BATCH, np.int32) + s % 2, _priorities(s)),
+    ),
+}
+
+
+# A fill that puts an item in every cluster (first entries of the first leaf zero, positive,
+# negative), so that `set_priorities` of slot 0 of clusters 0 and 1 is in range.
+def _clustered_fill_args(seed: int):
+    leaves, treedef = jax.tree.flatten(_items(seed))
+    first = leaves[0].copy()
+    first.reshape(BATCH, -1)[:, 0] = np.asarray([0, 1, -1], first.dtype)
+    return jax.tree.unflatten(treedef, [first, *leaves[1:]])
+
+
+_clustered_fill = _new(_replay_fill.call, _clustered_fill_args)
+
+
+# ---------------------------------------------------------------------------------------------
+# SumTree: no items; leaves are set by index.
+
+
+def _tree_values(seed: int):
+    return _priorities(seed, BATCH)
+
+
+_sum_tree_fill = _new(lambda b, a: (b.set(jnp.arange(BATCH), a), None), _tree_values)
+
+_SUM_TREE = {
+    "set": _new(
+        lambda b, a: (b.set(a[0], a[1]), None),
+        lambda s: (_indices(s, high=CAPACITY), _tree_values(s)),
+    ),
+    "set(mask)": _new(
+        lambda b, a: (b.set(a[0], a[1], mask=a[2]), None),
+        lambda s: (_indices(s, high=CAPACITY), _tree_values(s), _mask(s)),
+    ),
+    "get": _query(lambda b, a: b.get(a), lambda s: _indices(s, high=CAPACITY)),
+    "find": _query(
+        lambda b, a: b.find(a * b.total),
+        lambda s: np.random.default_rng(s).random(BATCH).astype(np.float32),
+    ),
+    "total": _query(lambda b, a: b.total, _none),
+    "leaves": _query(lambda b, a: b.leaves, _none),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# TrajectoryBuffer: one step per listed env.
+
+
+def _env_steps(seed: int, ids):
+    return _items(seed, len(ids)), np.asarray(ids, np.int32)
+
+
+def _trajectory_fill_call(b, a):
+    first, second = a
+    return b.add(first).add(second[0], env_ids=second[1]), None
+
+
+_trajectory_fill = _new(
+    (_trajectory_fill_call),
+    lambda s: (_items(s, NUM_ENVS), _env_steps(s + 1, [2, 0])),
+)
+
+_TRAJECTORY = {
+    "add": _new(
+        lambda b, a: (b.add(a[0], env_ids=a[1]), None),
+        lambda s: _env_steps(s, [(s + 1) % NUM_ENVS, s % NUM_ENVS]),
+    ),
+    "add(all envs)": _new(lambda b, a: (b.add(a), None), lambda s: _items(s, NUM_ENVS)),
+    "peek": _query(
+        lambda b, a: b.peek(a),
+        lambda s: np.asarray([s % NUM_ENVS, 0], np.int32),
+    ),
+    "peek(all envs)": _query(lambda b, a: b.peek(), _none),
+    "sample": _query(
+        lambda b, a: b.sample(a[0], BATCH, SEQUENCE, distribution_power=a[1]),
+        lambda s: (_key(s), np.float32(1.5)),
+    ),
+    "sample(online)": _query(lambda b, a: b.sample(a, BATCH, SEQUENCE, source="online"), _key),
+    "sample_mixed": _query(lambda b, a: b.sample_mixed(a, 2, 1, SEQUENCE), _key),
+    "lengths": _query(lambda b, a: b.lengths(), _none),
+    "lengths(online)": _query(lambda b, a: b.lengths("online"), _none),
+    "reset_online_queue": _new(lambda b, a: (b.reset_online_queue(), None), _none),
+}
+
+
+def _trajectory(spec, capacity):
+    return dx.TrajectoryBuffer(spec, NUM_ENVS, capacity)
+
+
+# ---------------------------------------------------------------------------------------------
+# Random steps for the save/load round trips: any item spec, arbitrary bit patterns.
+
+_BATCH_SIZES = [1, 6]  # part of a buffer, or wrapping around it
+
+_push_batch = eqx.filter_jit(lambda b, x: b.push_batch(x))
+_add_batch = eqx.filter_jit(lambda b, x: b.add_batch(x))
+_add_batch_masked = eqx.filter_jit(lambda b, x, m: b.add_batch(x, mask=m))
+_add_batch_p = eqx.filter_jit(lambda b, x, p: b.add_batch(x, p))
+_set_priorities = eqx.filter_jit(lambda b, i, p: b.set_priorities(i, p))
+_set_leaves = eqx.filter_jit(lambda t, i, v: t.set(i, v))
+_add_envs = eqx.filter_jit(lambda b, x, ids: b.add(x, env_ids=ids))
+_reset_online = eqx.filter_jit(lambda b: b.reset_online_queue())
+
+
+def _random_items(spec, rng):
+    n = int(rng.choice(_BATCH_SIZES))
+    return random_bits_batch(spec, n, rng), n
+
+
+def _random_priorities(rng, n):
+    # Every magnitude, zeros included.
+    return ((rng.random(n) * 10.0 ** rng.integers(-3, 4, n)) * (rng.random(n) < 0.8)).astype(
+        np.float32
+    )
+
+
+def _circular_step(buf, spec, rng):
+    return _push_batch(buf, _random_items(spec, rng)[0])
+
+
+def _uniform_step(buf, spec, rng):
+    items, n = _random_items(spec, rng)
+    if rng.random() < 0.5:
+        return _add_batch_masked(buf, items, rng.random(n) < 0.5)
+    return _add_batch(buf, items)
+
+
+def _prioritised_step(buf, spec, rng):
+    items, n = _random_items(spec, rng)
+    # The maximum priority is state too.
+    buf = _add_batch_p(buf, items, _random_priorities(rng, n))
+    k = int(rng.integers(1, 4))
+    return _set_priorities(buf, rng.integers(0, int(buf.size), k), rng.random(k).astype(np.float32))
+
+
+def _clustered_step(buf, spec, rng):
+    return _add_batch(buf, _random_items(spec, rng)[0])
+
+
+def _sum_tree_step(tree, spec, rng):
+    n = int(rng.choice(_BATCH_SIZES))
+    indices = rng.integers(0, tree.capacity, n).astype(np.int32)
+    return _set_leaves(tree, indices, _random_priorities(rng, n))
+
+
+def _trajectory_step(buf, spec, rng):
+    # Steps for a random subset of envs, in random order; now and then a new online queue.
+    if rng.random() < 0.25:
+        buf = _reset_online(buf)
+    n = int(rng.integers(1, NUM_ENVS + 1))
+    ids = rng.permutation(NUM_ENVS)[:n].astype(np.int32)
+    return _add_envs(buf, random_bits_batch(spec, n, rng), ids)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+_STATIC = "a static Python value, not an array"
+
+BUFFER_TYPES = [
+    BufferType(
+        "CircularBuffer",
+        dx.CircularBuffer,
+        dx.CircularBuffer,
+        _circular_fill,
+        _CIRCULAR,
+        {"item_spec": _STATIC},
+        _circular_step,
+    ),
+    BufferType(
+        "UniformReplay",
+        dx.UniformReplay,
+        dx.UniformReplay,
+        _replay_fill,
+        _replay_methods(),
+        {"max_size": _STATIC},
+        _uniform_step,
+    ),
+    BufferType(
+        "PrioritisedReplay",
+        dx.PrioritisedReplay,
+        dx.PrioritisedReplay,
+        _replay_fill,
+        _PRIORITISED,
+        {"max_size": _STATIC},
+        _prioritised_step,
+    ),
+    BufferType(
+        "ClusteredReplay(UniformReplay)",
+        dx.ClusteredReplay,
+        _clustered_uniform,
+        _clustered_fill,
+        _CLUSTERED,
+        {
+            "max_size": _STATIC,
+            "set_priorities": "refused at trace time: the inner replay has no priorities",
+        },
+        _clustered_step,
+    ),
+    BufferType(
+        "ClusteredReplay(PrioritisedReplay)",
+        dx.ClusteredReplay,
+        _clustered_prioritised,
+        _clustered_fill,
+        _CLUSTERED_PRIORITISED,
+        {"max_size": _STATIC},
+        _clustered_step,
+    ),
+    BufferType(
+        "SumTree",
+        dx.SumTree,
+        lambda spec, capacity: dx.SumTree(capacity),
+        _sum_tree_fill,
+        _SUM_TREE,
+        {},
+        _sum_tree_step,
+    ),
+    BufferType(
+        "TrajectoryBuffer",
+        dx.TrajectoryBuffer,
+        _trajectory,
+        _trajectory_fill,
+        _TRAJECTORY,
+        {"item_spec": _STATIC},
+        _trajectory_step,
+    ),
+]
+
+BY_NAME = {t.name: t for t in BUFFER_TYPES}
+
+# (type, method name) pairs, for tests parametrised over every method of every type.
+METHODS = [(t, name) for t in BUFFER_TYPES for name in t.methods]
+
+
+def method_id(pair) -> str:
+    t, name = pair
+    return f"{t.name}.{name}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Instances and compiled calls, shared by every test that uses them.
+
+
+@functools.cache
+def jitted(call):
+    """`eqx.filter_jit(call)`, one per call, so that its compilations are shared."""
+    return eqx.filter_jit(call)
+
+
+def empty(t: BufferType):
+    return t.make(ITEM, CAPACITY)
+
+
+def filled(t: BufferType, seed: int = 0):
+    """A small instance with a few items in it (every cluster and env has some)."""
+    return jitted(t.fill.call)(empty(t), t.fill.args(seed))[0]
+
+
+@eqx.filter_jit
+def _make_batch(make, spec, capacity, copies):
+    return eqx.filter_vmap(lambda: make(spec, capacity), axis_size=copies)()
+
+
+def make_batch(make, spec, capacity: int, copies: int):
+    """`copies` independent empty buffers as one batch, as `eqx.filter_vmap` makes them."""
+    return _make_batch(make, spec, capacity, copies)
+
+
+def stack(trees: list) -> Any:
+    """Independent buffers (or arguments) of one configuration as one batch."""
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
+def row(tree, i: int):
+    return jax.tree.map(lambda x: x[i], tree)
+
+
+def filled_batch(t: BufferType, copies: int, seed: int = 0):
+    """`copies` filled buffers, each with its own items, as one batch."""
+    return stack([filled(t, seed + i) for i in range(copies)])
+
+
+def batch_args(method: Method, copies: int, seed: int = 0):
+    """`copies` buffers' worth of arguments for `method`, stacked."""
+    args = [method.args(seed + i) for i in range(copies)]
+    if not jax.tree.leaves(args[0]):
+        return args[0]
+    return stack(args)
+
+
+def array_leaves_on(tree) -> list:
+    return [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
