@@ -23,11 +23,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from .helpers import assert_bits_equal, python_blocks, SPECS
-from .registry import batch_args, filled, filled_batch, jitted, method_id, METHODS
+from .registry import batch_args, BUFFER_TYPES, filled, filled_batch
 from .test_io import batch_step, BUFFER_CASES, make_batch, MAX_SIZES, on_default_device, SPEC_NAMES
 
 
@@ -415,23 +415,25 @@ def _sharded(tree, mesh):
     return jax.device_put(tree, NamedSharding(mesh, P("devices")))
 
 
-_SHARD_MAP_CASES = [pytest.param((t, name), id=method_id((t, name))) for t, name in METHODS]
+@pytest.mark.parametrize("t", BUFFER_TYPES, ids=lambda t: t.name)
+def test_every_method_inside_shard_map(plain_mesh, t):
+    # One buffer per device, each filled with its own items, and every method called on it
+    # with its own arguments: device d's results are what buffer d gives alone, on one device.
+    # All the methods of a type in one program: one compilation per type, not per method.
+    names = list(t.methods)
 
+    def every(buf, args):
+        return {name: t.methods[name].call(buf, args[name]) for name in names}
 
-@pytest.mark.parametrize("pair", _SHARD_MAP_CASES)
-def test_every_method_inside_shard_map(plain_mesh, pair):
-    # One buffer per device, each filled with its own items and called with its own
-    # arguments: device d's result is what buffer d gives alone, on one device.
-    t, name = pair
-    method = t.methods[name]
     bufs = _sharded(filled_batch(t, NUM_DEVICES), plain_mesh)
-    args = _sharded(batch_args(method, NUM_DEVICES), plain_mesh)
-    new, out = _per_device(method.call)(bufs, args)
-    for leaf in jax.tree.leaves((new, out)):
+    args = {name: batch_args(t.methods[name], NUM_DEVICES) for name in names}
+    out = _per_device(every)(bufs, _sharded(args, plain_mesh))
+    for leaf in jax.tree.leaves(out):
         assert len(leaf.sharding.device_set) == NUM_DEVICES  # each row stays on its device
+    reference = eqx.filter_jit(every)
     for d in range(NUM_DEVICES):
-        expected = jitted(method.call)(filled(t, d), method.args(d))
-        assert_bits_equal(_row((new, out), d), expected)
+        expected = reference(filled(t, d), {name: t.methods[name].args(d) for name in names})
+        assert_bits_equal(_row(out, d), expected)
 
 
 def test_faults_inside_shard_map_still_raise(plain_mesh):
@@ -462,6 +464,9 @@ def test_faults_inside_shard_map_still_raise(plain_mesh):
 
 
 @pytest.mark.parametrize("case", BUFFER_CASES, ids=lambda c: c.name)
+# Each example compiles a sharded save and a load for its shapes: a fifth of the profile's
+# examples (5 in `ci`, 30 in `dev`), per buffer type.
+@settings(max_examples=max(5, settings.default.max_examples // 5))
 @given(
     spec_name=st.sampled_from(SPEC_NAMES),
     max_size=st.sampled_from(MAX_SIZES),

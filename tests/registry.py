@@ -134,6 +134,7 @@ def _replay_methods() -> dict[str, Method]:
             lambda s: (_items(s), _mask(s)),
         ),
         "sample": _query(lambda b, a: b.sample(a, BATCH), _key),
+        "sample_unchecked": _query(lambda b, a: b.sample_unchecked(a, BATCH), _key),
         "add_and_sample": _new(
             lambda b, a: b.add_and_sample(a[0], a[1], BATCH),
             lambda s: (_items(s), _key(s)),
@@ -389,7 +390,7 @@ BUFFER_TYPES = [
         dx.UniformReplay,
         _replay_fill,
         _replay_methods(),
-        {"max_size": _STATIC},
+        {"max_size": _STATIC, "item_spec": _STATIC},
         _uniform_step,
     ),
     BufferType(
@@ -398,7 +399,7 @@ BUFFER_TYPES = [
         dx.PrioritisedReplay,
         _replay_fill,
         _PRIORITISED,
-        {"max_size": _STATIC},
+        {"max_size": _STATIC, "item_spec": _STATIC},
         _prioritised_step,
     ),
     BufferType(
@@ -409,6 +410,7 @@ BUFFER_TYPES = [
         _CLUSTERED,
         {
             "max_size": _STATIC,
+            "item_spec": _STATIC,
             "set_priorities": "refused at trace time: the inner replay has no priorities",
         },
         _clustered_step,
@@ -419,7 +421,7 @@ BUFFER_TYPES = [
         _clustered_prioritised,
         _clustered_fill,
         _CLUSTERED_PRIORITISED,
-        {"max_size": _STATIC},
+        {"max_size": _STATIC, "item_spec": _STATIC},
         _clustered_step,
     ),
     BufferType(
