@@ -20,6 +20,10 @@ import pytest
 
 ROOT = Path(__file__).parent.parent
 
+# Both tests read the one subprocess run of the module's fixture: under `pytest -n 2 --dist
+# loadgroup` they stay on one worker, so it runs once.
+pytestmark = pytest.mark.xdist_group("four_devices")
+
 
 @pytest.fixture(scope="module")
 def four_devices(tmp_path_factory, pytestconfig):
