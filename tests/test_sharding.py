@@ -15,18 +15,24 @@ import dejax_eqx as dx
 import equinox as eqx
 import jax
 import numpy as np
-import pytest
 
 
 ROOT = Path(__file__).parent.parent
 
-# Both tests read the one subprocess run of the module's fixture: under `pytest -n 2 --dist
-# loadgroup` they stay on one worker, so it runs once.
-pytestmark = pytest.mark.xdist_group("four_devices")
+
+def test_four_device_checks_pass_and_their_files_load_onto_one_device(
+    tmp_path_factory, pytestconfig
+):
+    # One test, not two sharing a fixture: under `pytest -n 2` the two could land on both
+    # workers, and each would run the subprocess.
+    result, out = _run_four_devices(tmp_path_factory, pytestconfig)
+    report = f"{result.stdout}\n{result.stderr}"
+    assert result.returncode == 0, report
+    assert " passed" in result.stdout and "skipped" not in result.stdout, report
+    _check_buffers_saved_from_four_devices_load_onto_one(out)
 
 
-@pytest.fixture(scope="module")
-def four_devices(tmp_path_factory, pytestconfig):
+def _run_four_devices(tmp_path_factory, pytestconfig):
     out = tmp_path_factory.mktemp("four_devices")
     flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
     env = {**os.environ, "XLA_FLAGS": flags.strip(), "DEJAX_EQX_FOUR_DEVICE_OUT": str(out)}
@@ -47,15 +53,7 @@ def four_devices(tmp_path_factory, pytestconfig):
     return result, out
 
 
-def test_four_device_checks_pass(four_devices):
-    result, _ = four_devices
-    report = f"{result.stdout}\n{result.stderr}"
-    assert result.returncode == 0, report
-    assert " passed" in result.stdout and "skipped" not in result.stdout, report
-
-
-def test_buffers_saved_from_four_devices_load_onto_one(four_devices):
-    _, out = four_devices
+def _check_buffers_saved_from_four_devices_load_onto_one(out):
     assert jax.device_count() == 1
     sys.path.insert(0, str(ROOT / "examples"))
     try:
