@@ -465,8 +465,8 @@ def test_faults_inside_shard_map_still_raise(plain_mesh):
 
 @pytest.mark.parametrize("case", BUFFER_CASES, ids=lambda c: c.name)
 # Each example compiles a sharded save and a load for its shapes: a fifth of the profile's
-# examples (3 in `ci`, 30 in `dev`), per buffer type.
-@settings(max_examples=max(3, settings.default.max_examples // 5))
+# examples (2 in `ci`, 30 in `dev`), per buffer type.
+@settings(max_examples=max(2, settings.default.max_examples // 5))
 @given(
     spec_name=st.sampled_from(SPEC_NAMES),
     max_size=st.sampled_from(MAX_SIZES),
