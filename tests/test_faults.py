@@ -7,6 +7,8 @@ and as JAX arrays (checked in their own dtype, before any cast).
 """
 
 import re
+import subprocess
+import sys
 import traceback
 
 import dejax_eqx as dx
@@ -202,6 +204,37 @@ def test_env_ids_must_be_an_array(env_ids):
     steps = jax.tree.map(lambda x: x[:2], BATCH)
     with pytest.raises(TypeError, match=r"(?s)TrajectoryBuffer.add.*env_ids"):
         buf.add(steps, env_ids=env_ids)
+
+
+_UNHOOKED = """
+import jax.numpy as jnp, numpy as np, dejax_eqx as dx
+item = {"obs": jnp.zeros(2)}
+for make in (
+    lambda: dx.ClusteredReplay(dx.CircularBuffer(item, 4), 2, lambda i: jnp.asarray(0)),
+    lambda: dx.TrajectoryBuffer(item, 2, 4).add({"obs": np.ones((2, 2), np.float32)}, [0, 1]),
+):
+    try:
+        make()
+    except TypeError as e:
+        print(e)
+"""
+
+
+def test_wrong_parts_are_refused_by_the_library_itself():
+    # Without the tests' jaxtyping import hook, as users run it: the library's own checks
+    # (before them, a CircularBuffer inner failed later with an AttributeError, and a list of
+    # env ids deep inside JAX).
+    result = subprocess.run(
+        [sys.executable, "-c", _UNHOOKED], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines == [
+        "`ClusteredReplay(inner=...)` must be a replay (an `AbstractReplay` such as "
+        "`UniformReplay` or `PrioritisedReplay`), got a CircularBuffer.",
+        "`TrajectoryBuffer.add(env_ids=...)` must be an integer array (a JAX or NumPy array) "
+        "or a Python int, got a list.",
+    ], result.stdout
 
 
 def test_importance_weights_refuses_bad_size_and_beta():
