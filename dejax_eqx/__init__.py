@@ -15,7 +15,11 @@ from ._prioritised import (
 )
 from ._storage import CircularBuffer as CircularBuffer
 from ._sum_tree import SumTree as SumTree
-from ._trajectory import SequenceSample as SequenceSample, TrajectoryBuffer as TrajectoryBuffer
+from ._trajectory import (
+    SequenceSample as SequenceSample,
+    TrajectoryBuffer as TrajectoryBuffer,
+    Transitions as Transitions,
+)
 from ._uniform import UniformReplay as UniformReplay
 
 

@@ -1,41 +1,63 @@
-"""Drawing sequence starts from per-env windows: pure functions of the window lengths.
+"""Drawing window starts from per-env streams: pure functions of the window lengths.
 
-Env `e` has a window of `lengths[e]` steps, oldest first. A start is a pair `(e, i)`,
-`0 <= i < lengths[e]`, with `r = min(lengths[e] - i, T)` real steps before the window ends,
-and weight `r ** power`. These functions know nothing of storage: the caller turns a start
-into slots (for `TrajectoryBuffer`, ring arithmetic from `_storage.py`). The method is
-explained in `dejax_eqx/README.md`.
-
-Later policies (starts on a period, only full starts, episode boundaries) are meant to enter
-as keyword-only arguments of `draw_starts`/`starts_from_bits`/`env_log_weights`, with the
-defaults giving today's draw.
+Env `e` stores a window of `lengths[e]` steps, ending at its newest step. A start is named by
+its env and its *back distance* `b` in `1 .. lengths[e]`: the start is the `b`-th newest step,
+and a window of `W` steps from it holds `r = min(b, W)` real steps. Which starts are
+admissible and how they are weighted is a `Law`: a period that aligns starts to each env's
+absolute step count, a least number of real steps, and `strict` (whole windows only). These
+functions know nothing of storage: the caller turns `(env, b)` into slots (for
+`TrajectoryBuffer`, ring arithmetic from `_storage.py`). The method is explained in
+`dejax_eqx/README.md`.
 """
 
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Float32, Int, PRNGKeyArray, UInt32
+from jaxtyping import Array, Bool, Float, Float32, Int, PRNGKeyArray, UInt32
 
 
 WORDS_PER_ROW = 4
 """Random 32-bit words `starts_from_bits` uses per row: two uniforms and a 64-bit integer."""
 
 
+class Law(NamedTuple):
+    """Which starts a window of `size` steps may have, and how they are weighted. Static.
+
+    - `size`: `W`, the number of steps of a window, `>= 1`.
+    - `period`: `P >= 1`. A start must be a multiple of `P` in its env's absolute step count:
+        with `phase[e] = count[e] mod P` (`count[e]` steps ever added to env `e`), the
+        admissible back distances are `b ≡ phase[e] (mod P)`.
+    - `min_real`: a start must yield at least this many real steps, `1 <= min_real <= W`.
+    - `strict`: only starts whose whole window is stored (`b >= W`), all of weight 1.
+
+    A start with `r` real steps weighs `r ** power` (the power is a traced argument).
+    """
+
+    size: int
+    period: int = 1
+    min_real: int = 1
+    strict: bool = False
+
+
 class Starts(NamedTuple):
-    """Drawn starts, one per row. `env[b]` is the env, `offset[b]` the start's position in that
-    env's window (0 is the oldest step), `remaining[b] = min(lengths[env] - offset, T)` the
-    number of real steps of the sequence, in `[1, T]` (0 only when every window is empty)."""
+    """Drawn starts, one per row: `env[b]`, the back distance `back[b]` in
+    `[1, lengths[env]]` (the start is the `back`-th newest step of the window) and
+    `remaining[b] = min(back, W)`, the number of real steps of its window. All three are 0
+    where no start was admissible at all (`env` is then `num_envs - 1`)."""
 
     env: Int[Array, " batch"]
-    offset: Int[Array, " batch"]
+    back: Int[Array, " batch"]
     remaining: Int[Array, " batch"]
 
 
 class _Table(NamedTuple):
-    full: Int[Array, " num_envs"]  # F_e: starts with T real steps
-    tail: Int[Array, " num_envs"]  # k_e: one start for each r in 1 .. k_e
-    log_s: Float[Array, " T"]  # log S[0 .. T-1], S[k] = w(1) + ... + w(k)
+    full: Int[Array, " num_envs"]  # F_e: admissible starts with r = W
+    full_back: Int[Array, " num_envs"]  # the smallest back distance of a full start
+    tail_first: Int[Array, " num_envs"]  # r0_e: the smallest r of a tail start
+    tail: Int[Array, " num_envs"]  # n_e: tail starts r0_e, r0_e + P, ..., r0_e + (n_e - 1) P
+    log_g: Float[Array, " W"]  # log G[r], G[r] = w(r) + G[r - P], over admissible tail r
     log_env: Float[Array, " num_envs"]  # log W_e
 
 
@@ -55,6 +77,26 @@ def _count_at_most(table: Float[Array, " n"], x: Float[Array, " b"]) -> Int[Arra
     return jnp.searchsorted(table, x, side="right", method="scan_unrolled").astype(jnp.int32)
 
 
+def _count_strided_at_most(
+    table: Float[Array, " W"],
+    first: Int[Array, " b"],
+    n: Int[Array, " b"],
+    stride: int,
+    x: Float[Array, " b"],
+) -> Int[Array, " b"]:
+    """For each row, the number of `j` in `[0, n)` with `table[first + j * stride] <= x`, where
+    those entries increase with `j`. A binary search over `j`, unrolled: `ceil(log2(W / stride
+    + 1))` gathers per row."""
+    size = table.shape[0]
+    lo, hi = jnp.zeros_like(n), n
+    for _ in range(max(1, math.ceil(math.log2(-(-size // stride) + 1)))):
+        mid = (lo + hi) // 2
+        at = table[jnp.minimum(first + mid * stride, size - 1)]
+        go_right = (mid < hi) & (at <= x)
+        lo, hi = jnp.where(go_right, mid + 1, lo), jnp.where(go_right, hi, mid)
+    return lo
+
+
 def _below(
     high: UInt32[Array, " n"], low: UInt32[Array, " n"], n: Int[Array, " n"]
 ) -> Int[Array, " n"]:
@@ -70,101 +112,142 @@ def _below(
     return (((high % span) * multiplier + low % span) % span).astype(jnp.int32)
 
 
-def _table(lengths: Int[Array, " num_envs"], T: int, power: Float32[Array, ""]) -> _Table:
-    # Start (e, i) has weight w(r) = r**p, r = min(L_e - i, T) in 1..T. Per env there are
-    # F_e = max(L_e - T + 1, 0) starts with r = T and one start for each r in 1..k_e,
-    # k_e = min(L_e, T - 1). With S[k] = w(1) + ... + w(k), env e weighs
-    # W_e = F_e w(T) + S[k_e]. Weights are handled as logarithms, so that no power
-    # overflows, and an empty env weighs exactly 0 (log W_e = -inf) for every power.
-    log_w = power * jnp.log(jnp.arange(1, T + 1, dtype=jnp.float32))  # log w(1..T)
-    full = jnp.maximum(lengths - (T - 1), 0)
-    tail = jnp.minimum(lengths, T - 1)
-    # log S[0..T-1] (S[0] = 0) from one cumulative sum, scaled by the largest term any env
-    # uses, w(max k_e) (w is monotone in r): so no entry in use overflows and the largest
-    # one in use is >= 1. Entries that underflow to 0 belong to envs whose weight is below
-    # 1e-38 of another's.
-    shift = jnp.maximum(0.0, power * jnp.log(jnp.maximum(jnp.max(tail), 1).astype(jnp.float32)))
-    s = jnp.cumsum(jnp.exp(log_w[:-1] - shift))
-    log_s = jnp.log(jnp.concatenate([jnp.zeros(1), s])) + shift
-    log_env = jnp.logaddexp(jnp.log(full.astype(jnp.float32)) + log_w[-1], log_s[tail])
-    return _Table(full, tail, log_s, log_env)
+def _progression(first, last, stride: int):
+    """The number of `first, first + stride, ...` that are `<= last` (0 if `first > last`)."""
+    return jnp.where(last >= first, (last - first) // stride + 1, 0)
+
+
+def _table(
+    lengths: Int[Array, " num_envs"],
+    phase: Int[Array, " num_envs"],
+    law: Law,
+    power: Float32[Array, ""],
+) -> _Table:
+    # A start with back distance b has r = min(b, W) real steps, weight w(r) = r**p. It is
+    # admissible when b is in [1, L_e] and b ≡ phase_e (mod P), and, for b < W (a *tail*
+    # start, r = b), r >= lo (lo = W when strict: no tail). Per env that is F_e *full* starts
+    # (b >= W, weight w(W)) and a progression of tail starts r0_e, r0_e + P, ... up to
+    # r_last <= min(L_e, W - 1). With the table G[r] = w(r) + G[r - P] (over admissible r of
+    # one residue), env e weighs W_e = F_e w(W) + G[r_last]. Weights are handled as logarithms,
+    # so that no power overflows, and an env without admissible starts weighs exactly 0
+    # (log W_e = -inf) for every power.
+    size, period = law.size, law.period
+    lo = size if law.strict else law.min_real
+    log_w = power * jnp.log(jnp.arange(1, size + 1, dtype=jnp.float32))  # log w(1..W)
+    full_back = size + (phase - size) % period
+    full = _progression(full_back, lengths, period)
+    tail_first = lo + (phase - lo) % period
+    tail = _progression(tail_first, jnp.minimum(lengths, size - 1), period)
+    last = jnp.where(tail > 0, tail_first + (tail - 1) * period, 0)
+    # G in one strided cumulative sum (a (rows, P) reshape summed down its rows), scaled by
+    # the largest term any env uses, w(max r_last) (w is monotone in r): so no entry in use
+    # overflows and the largest one in use is >= 1. Entries that underflow to 0 belong to
+    # envs whose weight is below 1e-38 of another's.
+    shift = jnp.maximum(0.0, power * jnp.log(jnp.maximum(jnp.max(last), 1).astype(jnp.float32)))
+    r = jnp.arange(size)
+    terms = jnp.where(r >= lo, jnp.exp(jnp.concatenate([jnp.zeros(1), log_w[:-1]]) - shift), 0.0)
+    rows = -(-size // period)
+    terms = jnp.pad(terms, (0, rows * period - size)).reshape(rows, period)
+    log_g = jnp.log(jnp.cumsum(terms, axis=0).reshape(-1)[:size]) + shift
+    log_tail = jnp.where(tail > 0, log_g[last], -jnp.inf)
+    log_env = jnp.logaddexp(jnp.log(full.astype(jnp.float32)) + log_w[-1], log_tail)
+    return _Table(full, full_back, tail_first, tail, log_g, log_env)
+
+
+def admissible(
+    lengths: Int[Array, " num_envs"], phase: Int[Array, " num_envs"], law: Law
+) -> Bool[Array, " num_envs"]:
+    """Whether each env has at least one admissible start (exact integer arithmetic)."""
+    t = _table(lengths, phase, law, jnp.zeros((), jnp.float32))
+    return (t.full > 0) | (t.tail > 0)
 
 
 def env_log_weights(
-    lengths: Int[Array, " num_envs"], sequence_length: int, power: Float32[Array, ""]
+    lengths: Int[Array, " num_envs"],
+    phase: Int[Array, " num_envs"],
+    law: Law,
+    power: Float32[Array, ""],
 ) -> Float[Array, " num_envs"]:
-    """The log of each env's total start weight, `log W_e = log sum_i min(L_e - i, T) ** power`,
-    as the sampler computes it: env `e` is drawn with probability `W_e / sum(W)`.
+    """The log of each env's total start weight, `log W_e = log sum min(b, W) ** power` over its
+    admissible back distances `b`, as the sampler computes it: env `e` is drawn with
+    probability `W_e / sum(W)`.
 
     **Arguments:**
 
     - `lengths`: an int32 array of shape `(num_envs,)`, the window lengths, each `>= 0`.
-    - `sequence_length`: `T`, a positive Python int (static).
+    - `phase`: an int32 array of shape `(num_envs,)`, each env's step count modulo
+        `law.period`, in `[0, period)`.
+    - `law`: a `Law` (static).
     - `power`: a finite float32 scalar (may be traced).
 
-    **Returns:** a float32 array of shape `(num_envs,)`: exactly `-inf` for an empty window,
-    for every power. Accurate to float32 rounding (of order `|power| · log T · 2**-24`) for
-    every env whose weight is at least about `1e-37` of the heaviest env's; a lighter env may
-    come out as `-inf`, which is what the sampler then uses (it is never drawn).
+    **Returns:** a float32 array of shape `(num_envs,)`: exactly `-inf` for an env without
+    admissible starts, for every power. Accurate to float32 rounding (of order
+    `|power| · log W · 2**-24`) for every env whose weight is at least about `1e-37` of the
+    heaviest env's; a lighter env may come out as `-inf`, which is what the sampler then uses
+    (it is never drawn).
     """
-    return _table(lengths, sequence_length, power).log_env
+    return _table(lengths, phase, law, power).log_env
 
 
 def starts_from_bits(
     bits: UInt32[Array, "4 batch"],
     lengths: Int[Array, " num_envs"],
-    sequence_length: int,
+    phase: Int[Array, " num_envs"],
+    law: Law,
     power: Float32[Array, ""],
 ) -> Starts:
     """Draw one start per column of `bits`, with probability proportional to
-    `min(L_e - i, T) ** power` over all envs `e` and offsets `0 <= i < L_e` together.
+    `min(b, W) ** power` over every admissible `(env, b)` together.
 
-    O(num_envs + T) set-up, then O(log num_envs + log T) per row.
+    O(num_envs + W) set-up, then O(log num_envs + log(W / period)) per row.
 
     **Arguments:**
 
     - `bits`: uniformly random uint32 words, `WORDS_PER_ROW` per row, of shape
         `(4, batch_size)`: rows 0 and 1 give the uniforms for the env and for the kind of
-        start, rows 2 and 3 the 64-bit integer for the offset of a full start.
-    - `lengths`, `sequence_length`, `power`: as in `env_log_weights`.
+        start, rows 2 and 3 the 64-bit integer that picks a full start.
+    - `lengths`, `phase`, `law`, `power`: as in `env_log_weights`.
 
-    **Returns:** a `Starts` of int32 arrays of shape `(batch_size,)`. Empty windows are never
-    drawn. If every window is empty the result is meaningless but in bounds (`env` is
-    `num_envs - 1`, `offset` and `remaining` are 0) and nothing raises: the caller checks.
+    **Returns:** a `Starts` of int32 arrays of shape `(batch_size,)`. Envs without admissible
+    starts are never drawn. If no env has one the result is meaningless but in bounds
+    (`env = num_envs - 1`, `back = remaining = 0`) and nothing raises: the caller checks.
     """
-    T = sequence_length
-    full, tail, log_s, log_env = _table(lengths, T, power)
+    size, period = law.size, law.period
+    table = _table(lengths, phase, law, power)
     u_env, u_kind = _unit_float(bits[0]), _unit_float(bits[1])
 
-    # The env, by inverse CDF over W_e scaled so that the largest is 1. An empty env adds
-    # exactly 0 to the running sum, so no x lands in it: `_count_at_most` picks e with
+    # The env, by inverse CDF over W_e scaled so that the largest is 1. An env of weight 0
+    # adds exactly 0 to the running sum, so no x lands in it: `_count_at_most` picks e with
     # cdf[e-1] <= x < cdf[e]. And x < cdf[-1], since u <= 1 - 2**-23 keeps u * total at
     # least one float below total.
+    log_env = table.log_env
     top = jnp.max(log_env)
     cdf = jnp.cumsum(jnp.exp(log_env - jnp.where(jnp.isfinite(top), top, 0.0)))
     env = _count_at_most(cdf, u_env * cdf[-1])
-    env = jnp.minimum(env, lengths.shape[0] - 1)  # only when every window is empty
+    env = jnp.minimum(env, lengths.shape[0] - 1)  # only when no env has a start
 
-    # The kind of start within env e, by inverse CDF over [tail r = 1, ..., tail r = k,
-    # the F full starts]: x = u W_e falls in tail r when S[r-1] <= x < S[r], in the full
-    # block when x >= S[k]. The table log S is shared by all envs and searched with
-    # log x, so the only per-env value needed is log W_e.
-    k = tail[env]
-    below = jnp.minimum(_count_at_most(log_s[1:], jnp.log(u_kind) + log_env[env]), k)
-    # With no full start, x >= S[k] = W_e only by rounding: it belongs to tail k.
-    is_full = (below == k) & (full[env] > 0)
-    remaining = jnp.where(is_full, T, jnp.minimum(below + 1, k))
-    # Window offset: uniform among the full starts (0 .. F-1), else L - r.
-    offset = _below(bits[2], bits[3], full[env])
-    offset = jnp.where(is_full, offset, lengths[env] - remaining)
-    return Starts(env, offset, remaining)
+    # The kind of start within env e, by inverse CDF over [tail r0, tail r0 + P, ..., the F
+    # full starts]: x = u W_e falls in the j-th tail start when G[r0 + (j-1)P] <= x <
+    # G[r0 + jP], in the full block when x >= G[r_last]. The table log G is shared by all
+    # envs and searched with log x, so the only per-env values needed are r0, n and log W_e.
+    first, n, full = table.tail_first[env], table.tail[env], table.full[env]
+    below = _count_strided_at_most(table.log_g, first, n, period, jnp.log(u_kind) + log_env[env])
+    # With no full start, x >= G[r_last] = W_e only by rounding: it belongs to the last tail.
+    is_full = (below == n) & (full > 0)
+    tail_r = first + jnp.maximum(jnp.minimum(below, n - 1), 0) * period
+    pick = _below(bits[2], bits[3], full)
+    back = jnp.where(is_full, table.full_back[env] + pick * period, tail_r)
+    some = (full > 0) | (n > 0)
+    back = jnp.where(some, back, 0)
+    return Starts(env, back, jnp.minimum(back, size))
 
 
 def draw_starts(
     key: PRNGKeyArray,
     lengths: Int[Array, " num_envs"],
+    phase: Int[Array, " num_envs"],
     batch_size: int,
-    sequence_length: int,
+    law: Law,
     power: Float32[Array, ""],
 ) -> Starts:
     """`starts_from_bits` on `(WORDS_PER_ROW, batch_size)` words from `key`.
@@ -176,9 +259,9 @@ def draw_starts(
 
     - `key`: a JAX PRNG key.
     - `batch_size`: the number of rows, a positive Python int (static).
-    - `lengths`, `sequence_length`, `power`: as in `env_log_weights`.
+    - `lengths`, `phase`, `law`, `power`: as in `env_log_weights`.
 
     **Returns:** a `Starts`, as `starts_from_bits`.
     """
     bits = jax.random.bits(key, (WORDS_PER_ROW, batch_size), jnp.uint32)
-    return starts_from_bits(bits, lengths, sequence_length, power)
+    return starts_from_bits(bits, lengths, phase, law, power)
