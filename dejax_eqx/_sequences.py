@@ -140,17 +140,23 @@ def _table(
     tail = _progression(tail_first, jnp.minimum(lengths, size - 1), period)
     last = jnp.where(tail > 0, tail_first + (tail - 1) * period, 0)
     # G in one strided cumulative sum (a (rows, P) reshape summed down its rows), scaled by
-    # the largest term any env uses, w(max r_last) (w is monotone in r): so no entry in use
-    # overflows and the largest one in use is >= 1. Entries that underflow to 0 belong to
-    # envs whose weight is below 1e-38 of another's.
-    shift = jnp.maximum(0.0, power * jnp.log(jnp.maximum(jnp.max(last), 1).astype(jnp.float32)))
+    # the largest term any env uses: w is monotone in r, so that is w(max r_last) for p >= 0
+    # and w(min r0) for p < 0. So no entry in use overflows and the largest one in use is
+    # >= 1. Entries that underflow to 0 belong to envs whose weight is below 1e-38 of
+    # another's.
+    used = tail > 0
+    high = jnp.max(jnp.where(used, last, 1))
+    low = jnp.min(jnp.where(used, tail_first, size))
+    log_r = jnp.log(jnp.stack([high, jnp.minimum(low, high)]).astype(jnp.float32))
+    shift = jnp.where(jnp.any(used), jnp.max(power * log_r), 0.0)
     r = jnp.arange(size)
     terms = jnp.where(r >= lo, jnp.exp(jnp.concatenate([jnp.zeros(1), log_w[:-1]]) - shift), 0.0)
     rows = -(-size // period)
     terms = jnp.pad(terms, (0, rows * period - size)).reshape(rows, period)
     log_g = jnp.log(jnp.cumsum(terms, axis=0).reshape(-1)[:size]) + shift
     log_tail = jnp.where(tail > 0, log_g[last], -jnp.inf)
-    log_env = jnp.logaddexp(jnp.log(full.astype(jnp.float32)) + log_w[-1], log_tail)
+    log_full = jnp.log(full.astype(jnp.float32)) + (0.0 if law.strict else log_w[-1])
+    log_env = jnp.logaddexp(log_full, log_tail)
     return _Table(full, full_back, tail_first, tail, log_g, log_env)
 
 
@@ -183,8 +189,9 @@ def env_log_weights(
     **Returns:** a float32 array of shape `(num_envs,)`: exactly `-inf` for an env without
     admissible starts, for every power. Accurate to float32 rounding (of order
     `|power| · log W · 2**-24`) for every env whose weight is at least about `1e-37` of the
-    heaviest env's; a lighter env may come out as `-inf`, which is what the sampler then uses
-    (it is never drawn).
+    heaviest env's; a lighter env may come out lighter still, down to `-inf` (parts of its
+    weight underflow), which is what the sampler then uses: it is drawn with probability
+    below about `1e-37`, or never.
     """
     return _table(lengths, phase, law, power).log_env
 

@@ -178,6 +178,7 @@ class RefTrajectoryBuffer:
         self.max_length = max_length
         self.streams = [collections.deque(maxlen=max_length) for _ in range(num_envs)]
         self.online = [0] * num_envs
+        self.count = [0] * num_envs  # steps ever added: the next step's absolute number
 
     def add(self, items: list, env_ids: list[int]) -> None:
         """One step for each listed env; all-or-nothing: a bad id list changes nothing."""
@@ -188,6 +189,7 @@ class RefTrajectoryBuffer:
         for item, e in zip(items, env_ids):
             self.streams[e].append(item)
             self.online[e] = min(self.online[e] + 1, self.max_length)
+            self.count[e] += 1
 
     def reset_online_queue(self) -> None:
         self.online = [0] * self.num_envs
@@ -228,6 +230,86 @@ class RefTrajectoryBuffer:
     def sequence(self, env: int, offset: int, sequence_length: int, source: str) -> list:
         """The real steps of the sequence starting at `offset`: `min(L - offset, T)` of them."""
         return self.window(env, source)[offset : offset + sequence_length]
+
+    # Windows with options, by absolute step numbers: step `s` of env `e` is stored when
+    # `count[e] - len(stream) <= s < count[e]`, and in the online window when
+    # `s >= count[e] - online[e]`.
+
+    def step(self, env: int, s: int):
+        """The stored step with absolute number `s` of env `env`."""
+        first = self.count[env] - len(self.streams[env])
+        assert first <= s < self.count[env], (env, s)
+        return self.streams[env][s - first]
+
+    def window_probabilities(
+        self,
+        size: int,
+        *,
+        period: int = 1,
+        min_real: int = 1,
+        strict: bool = False,
+        power: float = 1.0,
+        source: str = "replay",
+    ) -> dict:
+        """`{(env, start): probability}` over every admissible window start, by enumeration.
+
+        A start is a stored step of the source's window whose absolute number is a multiple
+        of `period`; its window holds `r = min(count - start, size)` real steps. Strict: only
+        `r == size`, all equally likely. Otherwise `r >= min_real`, weight `r ** power`.
+        """
+        weights = {}
+        for env in range(self.num_envs):
+            count = self.count[env]
+            for start in range(count - int(self.lengths(source)[env]), count):
+                r = min(count - start, size)
+                if start % period or (strict and r < size) or r < min_real:
+                    continue
+                weights[(env, start)] = 1.0 if strict else float(r) ** power
+        total = sum(weights.values())
+        if total == 0:
+            raise EmptyBufferError
+        return {start: w / total for start, w in weights.items()}
+
+    def window_mask(
+        self, env: int, start: int, size: int, burn_in: int, policy: str, is_end: Callable
+    ) -> list[bool]:
+        """Which of the `size` positions of the window from `start` it holds: the stored steps
+        up to the newest, cut by the episode-end policy (`is_end(step)` says whether a step
+        ends its episode)."""
+        mask = [start + t < self.count[env] for t in range(size)]
+        if policy == "cross":
+            return mask
+        ends = [mask[t] and bool(is_end(self.step(env, start + t))) for t in range(size)]
+        late = [t for t in range(burn_in, size) if ends[t]]
+        if late:  # keep the first end at or past the learning part, drop what follows it
+            mask = [m and t <= late[0] for t, m in enumerate(mask)]
+        early = [t for t in range(burn_in) if ends[t]]
+        if policy == "within" and early:  # drop the burn-in up to its last end
+            mask = [m and t > early[-1] for t, m in enumerate(mask)]
+        return mask
+
+    def transition_starts(self, n: int, source: str = "replay") -> list:
+        """Every `(env, t)` an n-step transition may start from: step `t` and the `n` after
+        it stored in the source's window."""
+        return [
+            (env, t)
+            for env in range(self.num_envs)
+            for t in range(self.count[env] - int(self.lengths(source)[env]), self.count[env] - n)
+        ]
+
+    def transition(
+        self, env: int, t: int, n: int, gamma: float, reward, terminated, truncated
+    ) -> tuple:
+        """`(returns, discount, next_t)` of the n-step transition from step `t`, by a loop."""
+        total = 0.0
+        for i in range(n):
+            step = self.step(env, t + i)
+            total += gamma**i * float(reward(step))
+            if terminated(step):
+                return total, 0.0, t + i + 1
+            if truncated(step):
+                return total, gamma ** (i + 1), t + i + 1
+        return total, gamma**n, t + n
 
 
 class BadPriorityError(Exception):

@@ -15,17 +15,46 @@ from .helpers import assert_frequencies, assert_tree_equal
 
 
 # Fixed shapes, so that compiled functions are reused across examples: five envs (windows of
-# length 0 stand for fewer envs), one batch size, and T in 1..6 (static). Every test goes
-# through the one function `_run`, so the file compiles it at most six times (on a loaded
-# 2-core machine each compilation takes seconds).
+# length 0 stand for fewer envs), one batch size, and a fixed list of laws (static). Every test
+# goes through the one function `_run`, so the file compiles it at most once per law (on a
+# loaded 2-core machine each compilation takes seconds).
 NUM_ENVS = 5
 MAX_LENGTH = 12
 DRAWS = 2**16
 POWERS = [0.0, 0.5, 1.0, 2.0, -1.0]
 
+
+def _law(*args, **kwargs):
+    from dejax_eqx._sequences import Law
+
+    return Law(*args, **kwargs)
+
+
+# Plain windows of 1, 4 and 6 steps (today's law), periods that divide the window and periods
+# that exceed it, a least number of real steps (burn-in), and strict windows.
+LAWS = [
+    _law(1),
+    _law(4),
+    _law(6),
+    _law(5, period=2),
+    _law(5, period=3, min_real=3),
+    _law(4, strict=True),
+    _law(6, period=4, strict=True),
+    _law(3, period=7, min_real=2),
+]
+LAW_IDS = [f"W{w.size}-P{w.period}-min{w.min_real}{'-strict' if w.strict else ''}" for w in LAWS]
+
 any_lengths_st = st.lists(st.integers(0, MAX_LENGTH), min_size=NUM_ENVS, max_size=NUM_ENVS)
 lengths_st = any_lengths_st.filter(any)  # every window empty: see the test of its own
-t_st = st.integers(1, 6)
+law_st = st.sampled_from(LAWS)
+
+
+@st.composite
+def windows_st(draw, lengths=lengths_st):
+    """`(lengths, phase, law)`: each env's step count modulo the law's period is its phase."""
+    law = draw(law_st)
+    phase = draw(st.lists(st.integers(0, law.period - 1), min_size=NUM_ENVS, max_size=NUM_ENVS))
+    return draw(lengths), phase, law
 
 
 def _sequences():
@@ -35,51 +64,60 @@ def _sequences():
     return _sequences
 
 
-@functools.partial(jax.jit, static_argnums=2)
-def _run(words, lengths, t, power):
-    """`starts_from_bits` and `env_log_weights` (which share their set-up)."""
+@functools.partial(jax.jit, static_argnums=3)
+def _run(words, lengths, phase, law, power):
+    """`starts_from_bits`, `env_log_weights` and `admissible` (which share their set-up)."""
     s = _sequences()
-    return s.starts_from_bits(words, lengths, t, power), s.env_log_weights(lengths, t, power)
+    return (
+        s.starts_from_bits(words, lengths, phase, law, power),
+        s.env_log_weights(lengths, phase, law, power),
+        s.admissible(lengths, phase, law),
+    )
 
 
 _key_words = jax.jit(lambda key: jax.random.bits(key, (4, DRAWS), jnp.uint32))
 
 
-def run(lengths, t: int, power: float, *, seed: int = 0, words=None):
-    """`(starts, log_weights)` as NumPy arrays. `words` defaults to those `draw_starts` makes
-    from `jax.random.key(seed)` (`test_draw_starts_is_starts_from_bits_on_the_key_s_words`)."""
+def run(lengths, phase, law, power: float, *, seed: int = 0, words=None):
+    """`(starts, log_weights, admissible)` as NumPy arrays. `words` defaults to those
+    `draw_starts` makes from `jax.random.key(seed)`
+    (`test_draw_starts_is_starts_from_bits_on_the_key_s_words`)."""
     words = _key_words(jax.random.key(seed)) if words is None else jnp.asarray(words, jnp.uint32)
-    out = _run(words, jnp.asarray(lengths, jnp.int32), t, jnp.asarray(power, jnp.float32))
+    i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
+    out = _run(words, i32(lengths), i32(phase), law, jnp.asarray(power, jnp.float32))
     return jax.tree.map(np.asarray, out)
 
 
-def enumerate_starts(lengths, t: int, power: float) -> dict:
-    """`{(env, offset): (remaining, weight)}` for every start, in float64: offset `i` of a
-    window of `L` steps has `r = min(L - i, T)` steps left and weight `r ** power`."""
-    return {
-        (env, i): (min(length - i, t), float(min(length - i, t)) ** power)
-        for env, length in enumerate(lengths)
-        for i in range(length)
-    }
+def enumerate_starts(lengths, phase, law, power: float) -> dict:
+    """`{(env, back): (remaining, weight)}` for every admissible start, in float64: the start
+    `back` steps behind the cursor (1 = the newest step) has `r = min(back, W)` real steps. It
+    is admissible when `back ≡ phase (mod P)` (its absolute step number, `count - back`, is a
+    multiple of P), and, strict, when `r == W`, else when `r >= min_real`."""
+    out = {}
+    for env, (length, ph) in enumerate(zip(lengths, phase)):
+        for back in range(1, length + 1):
+            r = min(back, law.size)
+            if (back - ph) % law.period or (law.strict and r < law.size) or r < law.min_real:
+                continue
+            out[(env, back)] = (r, 1.0 if law.strict else float(r) ** power)
+    return out
 
 
-def assert_in_support(env, offset, remaining, lengths, t):
-    """Every drawn start is a start of a non-empty window, with its exact remaining length."""
-    lengths = np.asarray(lengths)
-    assert ((0 <= env) & (env < len(lengths))).all()
-    assert (lengths[env] > 0).all(), "drew an empty window"
-    assert ((0 <= offset) & (offset < lengths[env])).all(), "offset outside the window"
-    assert (remaining == np.minimum(lengths[env] - offset, t)).all(), "wrong remaining length"
+def assert_in_support(env, back, remaining, starts: dict):
+    """Every drawn start is an admissible start, with its exact number of real steps."""
+    drawn = set(zip(env.tolist(), back.tolist(), remaining.tolist()))
+    allowed = {(e, b, r) for (e, b), (r, _) in starts.items()}
+    assert drawn <= allowed, f"drew inadmissible starts: {sorted(drawn - allowed)[:5]}"
 
 
-def frequencies(env, offset, starts: dict, weight=lambda r, w: w):
+def frequencies(env, back, starts: dict, weight=lambda r, w: w):
     """Counts of the drawn starts and their enumerated probabilities, cell by cell."""
     cells = sorted(starts)
-    index = np.full((NUM_ENVS, MAX_LENGTH), -1)
+    index = np.full((NUM_ENVS, MAX_LENGTH + 1), -1)
     for j, cell in enumerate(cells):
         index[cell] = j
-    drawn = index[env, offset]
-    assert (drawn >= 0).all()
+    drawn = index[env, back]
+    assert (drawn >= 0).all(), "a draw outside the enumerated starts"
     counts = np.bincount(drawn, minlength=len(cells))
     weights = np.asarray([weight(*starts[c]) for c in cells])
     return counts, weights / weights.sum()
@@ -91,15 +129,21 @@ def _alpha() -> float:
     return 1e-6 / settings.default.max_examples
 
 
-@given(lengths=lengths_st, t=t_st, power=st.sampled_from(POWERS), seed=st.integers(0, 2**16))
-def test_draws_match_enumeration(lengths, t, power, seed):
-    (env, offset, remaining), _ = run(lengths, t, power, seed=seed)
+@given(windows=windows_st(), power=st.sampled_from(POWERS), seed=st.integers(0, 2**16))
+def test_draws_match_enumeration(windows, power, seed):
+    lengths, phase, law = windows
+    starts = enumerate_starts(lengths, phase, law, power)
+    (env, back, remaining), _, admissible = run(lengths, phase, law, power, seed=seed)
+    want = [any(e == env_ for e, _ in starts) for env_ in range(NUM_ENVS)]
+    assert admissible.tolist() == want
+    if not starts:
+        return  # see test_no_admissible_start_gives_in_bounds_nothing
     # (a) the support, exactly.
-    assert_in_support(env, offset, remaining, lengths, t)
+    assert_in_support(env, back, remaining, starts)
     # (b) the frequencies of 2**16 draws against the enumerated probabilities. The smallest
-    # probability of any start here is above 1/1600 (power 2, T = 6, five windows of 12), so
-    # every cell expects more than 40 draws and the chi-square approximation holds.
-    counts, probabilities = frequencies(env, offset, enumerate_starts(lengths, t, power))
+    # probability of any start here is above 1/2200 (power 2, W = 6, five windows of 12), so
+    # every cell expects more than 29 draws and the chi-square approximation holds.
+    counts, probabilities = frequencies(env, back, starts)
     assert_frequencies(counts, probabilities, alpha=_alpha())
 
 
@@ -115,11 +159,32 @@ def test_draws_match_enumeration(lengths, t, power, seed):
 def test_frequency_test_detects_wrong_probabilities(wrong):
     # The test above must be able to fail: draws with power 1 are rejected against slightly
     # different weights with the same number of draws and the same false-failure rate.
-    lengths, t = [0, 3, 12, 5, 1], 5
-    (env, offset, _), _ = run(lengths, t, 1.0, seed=7)
-    counts, probabilities = frequencies(env, offset, enumerate_starts(lengths, t, 1.0), wrong)
+    lengths, phase, law = [0, 3, 12, 5, 1], [0] * NUM_ENVS, LAWS[2]
+    (env, back, _), _, _ = run(lengths, phase, law, 1.0, seed=7)
+    starts = enumerate_starts(lengths, phase, law, 1.0)
+    counts, probabilities = frequencies(env, back, starts, wrong)
     with pytest.raises(AssertionError, match="chi-square"):
         assert_frequencies(counts, probabilities, alpha=1e-6 / 150)
+
+
+@pytest.mark.parametrize(
+    "wrong",
+    [
+        {"phase": [0] * NUM_ENVS},  # periods aligned to the window, not to the step count
+        {"min_real": 1},  # starts with too few real steps allowed
+        {"strict": True},  # only whole windows
+    ],
+    ids=["window-aligned", "no-min-real", "strict"],
+)
+def test_support_check_detects_a_wrong_law(wrong):
+    # Draws under one law checked against the enumeration of a slightly different law.
+    lengths, phase, law = [0, 3, 12, 5, 11], [1, 2, 0, 1, 2], LAWS[4]
+    (env, back, remaining), _, _ = run(lengths, phase, law, 1.0, seed=8)
+    other = law._replace(**{k: v for k, v in wrong.items() if k != "phase"})
+    starts = enumerate_starts(lengths, wrong.get("phase", phase), other, 1.0)
+    with pytest.raises(AssertionError, match="inadmissible|chi-square|outside"):
+        assert_in_support(env, back, remaining, starts)
+        assert_frequencies(*frequencies(env, back, starts), alpha=1e-6)
 
 
 _edge_words = [0, 1, 511, 512, 2**31, 2**32 - 512, 2**32 - 1]
@@ -127,56 +192,67 @@ _word = st.sampled_from(_edge_words) | st.integers(0, 2**32 - 1)
 
 
 @given(
-    lengths=lengths_st,
-    t=t_st,
+    windows=windows_st(),
     power=st.sampled_from([*POWERS, 1000.0, -1000.0]),
     words=st.lists(_word, min_size=4 * 16, max_size=4 * 16),
 )
-def test_extreme_random_words_stay_in_support(lengths, t, power, words):
+def test_extreme_random_words_stay_in_support(windows, power, words):
     # Words at the ends of their range put the uniforms at 0 and at 1 - 2**-23, where an
     # inverse CDF could step past the last non-empty env or past the end of the table. Sixteen
     # rows of words, repeated to the fixed batch size.
+    lengths, phase, law = windows
+    starts = enumerate_starts(lengths, phase, law, 0.0)  # the support: the weights unused
+    if not starts:
+        return
     words = np.tile(np.asarray(words, np.uint32).reshape(4, 16), (1, DRAWS // 16))
-    starts, _ = run(lengths, t, power, words=words)
-    assert_in_support(*starts, lengths, t)
+    drawn, _, _ = run(lengths, phase, law, power, words=words)
+    assert_in_support(*drawn, starts)
 
 
 @given(
-    lengths=any_lengths_st,
-    t=t_st,
+    windows=windows_st(any_lengths_st),
     power=st.sampled_from([*POWERS, 30.0, -30.0, 1000.0, -1000.0]),
 )
-def test_env_log_weights_match_enumeration(lengths, t, power):
-    _, got = run(lengths, t, power)
-    starts = enumerate_starts(lengths, t, 0.0)
-    # Exact log weights in float64: log sum_i r_i ** p = logsumexp(p log r_i).
+def test_env_log_weights_match_enumeration(windows, power):
+    lengths, phase, law = windows
+    _, got, _ = run(lengths, phase, law, power)
+    starts = enumerate_starts(lengths, phase, law, 0.0)
+    # Exact log weights in float64: log sum_i r_i ** p = logsumexp(p log r_i) (strict: every
+    # start weighs 1).
     want = np.full(NUM_ENVS, -np.inf)
     for env in range(NUM_ENVS):
         rs = [r for (e, _), (r, _) in starts.items() if e == env]
         if rs:
-            want[env] = scipy.special.logsumexp(power * np.log(rs))
-    empty = np.asarray(lengths) == 0
-    assert (got[empty] == -np.inf).all(), "an empty window must weigh exactly 0"
-    if empty.all():
+            want[env] = scipy.special.logsumexp((0.0 if law.strict else power) * np.log(rs))
+    none = want == -np.inf
+    assert (got[none] == -np.inf).all(), "an env without starts must weigh exactly 0"
+    if none.all():
         return
     # float32 rounding of p log r, of the exp/log round trip and of the sums of at most 12
     # terms.
-    tol = 1e-5 * (1 + abs(power) * math.log(t) + math.log(MAX_LENGTH))
-    # Envs lighter than 1e-30 of the heaviest may underflow to -inf (never drawn), or not.
-    got, want = got[~empty], want[~empty]
+    tol = 1e-5 * (1 + abs(power) * math.log(law.size) + math.log(MAX_LENGTH))
+    # Envs lighter than 1e-30 of the heaviest may come out lighter still, down to -inf
+    # (never drawn): parts of their weight may underflow.
+    got, want = got[~none], want[~none]
     light = want < want.max() - 30 * math.log(10)
     close = np.abs(got - want) <= tol
-    assert (close | (light & (got == -np.inf))).all(), (got, want)
+    assert (close | (light & (got <= want + tol))).all(), (got, want)
     # And the sampler's env probabilities are the enumerated ones.
     np.testing.assert_allclose(
         scipy.special.softmax(got), scipy.special.softmax(want), rtol=1e-4, atol=1e-7
     )
 
 
-def test_all_windows_empty_gives_in_bounds_nothing():
-    (env, offset, remaining), log_weights = run([0] * NUM_ENVS, 3, 1.0)
-    assert (log_weights == -np.inf).all()
-    assert (env == NUM_ENVS - 1).all() and (offset == 0).all() and (remaining == 0).all()
+@pytest.mark.parametrize(
+    "lengths, law",
+    [([0] * NUM_ENVS, LAWS[1]), ([3, 1, 0, 2, 3], LAWS[5]), ([2, 2, 1, 0, 2], LAWS[4])],
+    ids=["empty", "short-for-strict", "short-for-min-real"],
+)
+def test_no_admissible_start_gives_in_bounds_nothing(lengths, law):
+    (env, back, remaining), log_weights, admissible = run(lengths, [0] * NUM_ENVS, law, 1.0)
+    assert not enumerate_starts(lengths, [0] * NUM_ENVS, law, 1.0)
+    assert (log_weights == -np.inf).all() and not admissible.any()
+    assert (env == NUM_ENVS - 1).all() and (back == 0).all() and (remaining == 0).all()
 
 
 def test_draw_starts_is_starts_from_bits_on_the_key_s_words():
@@ -184,10 +260,12 @@ def test_draw_starts_is_starts_from_bits_on_the_key_s_words():
     from dejax_eqx._sequences import draw_starts
 
     lengths = jnp.asarray([0, 3, 12, 5, 1], jnp.int32)
+    phase = jnp.asarray([0, 1, 1, 0, 1], jnp.int32)
     key, power = jax.random.key(11), jnp.asarray(1.0, jnp.float32)
-    starts = jax.jit(draw_starts, static_argnums=(2, 3))(key, lengths, DRAWS, 4, power)
-    (env, offset, remaining), _ = run(lengths, 4, 1.0, seed=11)
-    assert_tree_equal(tuple(np.asarray(x) for x in starts), (env, offset, remaining))
+    law = LAWS[3]
+    starts = jax.jit(draw_starts, static_argnums=(3, 4))(key, lengths, phase, DRAWS, law, power)
+    drawn, _, _ = run(lengths, phase, law, 1.0, seed=11)
+    assert_tree_equal(tuple(np.asarray(x) for x in starts), tuple(drawn))
 
 
 def test_random_number_helpers():

@@ -63,13 +63,17 @@ def stored_windows(buf: dx.TrajectoryBuffer, source: str = "replay") -> list:
     return out
 
 
-def check_sequences(seqs, mask, model: RefTrajectoryBuffer, t: int, source: str, labels: dict):
+def check_sequences(sample, model: RefTrajectoryBuffer, t: int, source: str, labels: dict):
     """Every sampled row is a start in the model's support, with the model's steps in it, its
-    mask a prefix of length `min(L - offset, T)`, and zeros after it."""
-    seqs, mask = to_numpy(seqs), np.asarray(mask)
+    mask a prefix of length `min(L - offset, T)`, and zeros after it; `learn` is `mask` (no
+    burn-in, no bootstrap), and the stamp is the start's env and absolute step number."""
+    seqs, mask = to_numpy(sample.items), np.asarray(sample.mask)
+    assert (np.asarray(sample.learn) == mask).all()
+    stamps = list(zip(np.asarray(sample.env).tolist(), np.asarray(sample.start).tolist()))
     support = model.start_probabilities(t, 1.0, source)  # power only changes the weights
     for b, row in enumerate(unstack(seqs, mask.shape[0])):
         env, position = labels[int(row["label"][0])]
+        assert stamps[b] == (env, position), (b, stamps[b], env, position)
         window = model.window(env, source)
         offsets = [i for i, step in enumerate(window) if int(step["label"]) == row["label"][0]]
         assert len(offsets) == 1, (b, env, position)
@@ -189,8 +193,7 @@ class TrajectoryMachine(RuleBasedStateMachine):
             with pytest.raises(RuntimeError, match="cannot sample from an empty"):
                 _sample(*args)
             return
-        seqs, mask = _sample(*args)
-        check_sequences(seqs, mask, self.model, t, source, self.labels)
+        check_sequences(_sample(*args), self.model, t, source, self.labels)
 
     @rule(power=st.sampled_from([0.0, 1.0]))
     def sample_mixed(self, power):
@@ -200,12 +203,10 @@ class TrajectoryMachine(RuleBasedStateMachine):
             with pytest.raises(RuntimeError, match="cannot sample from an empty"):
                 _sample_mixed(self.buf, key, t, jnp.asarray(power, jnp.float32))
             return
-        seqs, mask = _sample_mixed(self.buf, key, t, jnp.asarray(power, jnp.float32))
+        sample = _sample_mixed(self.buf, key, t, jnp.asarray(power, jnp.float32))
         # Replay rows first, then online rows.
-        first = jax.tree.map(lambda x: x[:5], (seqs, mask))
-        last = jax.tree.map(lambda x: x[5:], (seqs, mask))
-        check_sequences(*first, self.model, t, "replay", self.labels)
-        check_sequences(*last, self.model, t, "online", self.labels)
+        check_sequences(jax.tree.map(lambda x: x[:5], sample), self.model, t, "replay", self.labels)
+        check_sequences(jax.tree.map(lambda x: x[5:], sample), self.model, t, "online", self.labels)
 
     @invariant()
     def same_state(self):
@@ -218,6 +219,8 @@ class TrajectoryMachine(RuleBasedStateMachine):
         assert ((0 <= head) & (head < m)).all()
         assert ((0 <= online) & (online <= replay) & (replay <= m)).all()
         assert replay.tolist() == self.model.lengths("replay").tolist()
+        assert np.asarray(self.buf.step_count).tolist() == self.model.count
+        assert (head == np.asarray(self.model.count) % m).all()
         assert online.tolist() == self.model.lengths("online").tolist()
         for source in ["replay", "online"]:
             windows = stored_windows(self.buf, source)
@@ -311,7 +314,7 @@ def _frequencies(env, offset, probabilities: dict):
 def test_start_frequencies_match_exact_probabilities(stats_buffer, source, t, power):
     buf, model, added = stats_buffer
     key = jax.random.key(1000 * t + int(10 * power) + (source == "online"))
-    seqs, mask = _sample_stats(buf, key, t, jnp.asarray(power, jnp.float32), source)
+    seqs, mask, *_ = _sample_stats(buf, key, t, jnp.asarray(power, jnp.float32), source)
     env, offset = _decode(seqs, mask, model, added, t, source)
     counts, probabilities = _frequencies(env, offset, model.start_probabilities(t, power, source))
     # Pearson chi-square against the model's brute-force probabilities: a correct sampler
@@ -323,7 +326,7 @@ def test_frequency_test_detects_a_wrong_power(stats_buffer):
     # The test above must be able to fail: draws made with power 1 are rejected against the
     # probabilities of power 0 (and of power 1.2) with the same number of draws.
     buf, model, added = stats_buffer
-    seqs, mask = _sample_stats(buf, jax.random.key(7), 5, jnp.asarray(1.0), "replay")
+    seqs, mask, *_ = _sample_stats(buf, jax.random.key(7), 5, jnp.asarray(1.0), "replay")
     env, offset = _decode(seqs, mask, model, added, 5, "replay")
     for wrong in [0.0, 1.2]:
         counts, probabilities = _frequencies(
@@ -336,7 +339,7 @@ def test_frequency_test_detects_a_wrong_power(stats_buffer):
 def test_sample_mixed_rows_follow_their_sources(stats_buffer):
     buf, model, added = stats_buffer
     n = STATS_DRAWS // 2
-    seqs, mask = eqx.filter_jit(lambda b, k: b.sample_mixed(k, n, n, 5, 2.0))(
+    seqs, mask, *_ = eqx.filter_jit(lambda b, k: b.sample_mixed(k, n, n, 5, 2.0))(
         buf, jax.random.key(3)
     )
     for source, rows in [("replay", slice(0, n)), ("online", slice(n, 2 * n))]:
@@ -371,12 +374,12 @@ def test_extreme_powers_neither_overflow_nor_underflow(short_windows, source):
     # outweighs all others together by more than 1e40. Computed naively, 12**1000 overflows
     # float32, and scaled by 11**1000 (the largest possible tail weight) every window shorter
     # than 10 underflows to weight 0.
-    seqs, mask = _sample_stats(buf, jax.random.key(5), 12, jnp.asarray(1000.0), source)
+    seqs, mask, *_ = _sample_stats(buf, jax.random.key(5), 12, jnp.asarray(1000.0), source)
     env, offset = _decode(seqs, mask, model, added, 12, source)
     assert (env == np.argmax(lengths)).all() and (offset == 0).all()
     # Power -1000: only the starts with one step left (the newest step of each non-empty env)
     # have non-negligible weight, all equal.
-    seqs, mask = _sample_stats(buf, jax.random.key(6), 5, jnp.asarray(-1000.0), source)
+    seqs, mask, *_ = _sample_stats(buf, jax.random.key(6), 5, jnp.asarray(-1000.0), source)
     env, offset = _decode(seqs, mask, model, added, 5, source)
     assert (offset == lengths[env] - 1).all()
     counts = np.bincount(env, minlength=4)
@@ -465,7 +468,7 @@ def test_sample_static_errors():
     key = jax.random.key(0)
     with pytest.raises(ValueError, match=r"sample\(batch_size=...\)` must be positive"):
         buf.sample(key, 0, 2)
-    with pytest.raises(ValueError, match=r"sequence_length=...\)` must be at most max_length = 4"):
+    with pytest.raises(ValueError, match=r"= 0 \+ 5 \+ 0 = 5 steps is longer than max_length = 4"):
         buf.sample(key, 3, 5)
     with pytest.raises(ValueError, match=r"sequence_length=...\)` must be positive"):
         buf.sample(key, 3, 0)
@@ -498,7 +501,7 @@ def test_sample_runtime_errors():
     with pytest.raises(RuntimeError, match="sample_mixed`: cannot sample from an empty online"):
         mixed(buf, key, 2, 1)
     # A part of size zero is not sampled, so its source may be empty.
-    seqs, mask = mixed(buf, key, 2, 0)
+    seqs, mask, *_ = mixed(buf, key, 2, 0)
     assert mask.shape == (2, 2) and bool(mask[:, 0].all())
     with pytest.raises(RuntimeError, match="sample_mixed`: cannot sample from an empty Traj"):
         mixed(empty, key, 1, 0)
@@ -542,12 +545,14 @@ def test_power_accepts_python_numbers_and_arrays():
 
 
 def test_bounded_counters_after_many_adds():
-    # 1000 adds through 3 slots: the cursor and lengths stay in [0, 3], int32, no running total.
+    # 1000 adds through 3 slots: the cursor and lengths stay in [0, 3]; the step counts, int32,
+    # count every step (they number the steps; `add` refuses a step past 2**31 - 1).
     add = eqx.filter_jit(lambda b, x, i: b.add(x, env_ids=i))
     buf = dx.TrajectoryBuffer(STEP, 2, 3)
     for i in range(1000):
         buf = add(buf, _steps(1, float(i)), _ids(i % 2))
     assert buf.head.tolist() == [500 % 3, 500 % 3]
+    assert buf.step_count.dtype == jnp.int32 and buf.step_count.tolist() == [500, 500]
     assert buf.lengths().tolist() == [3, 3] and buf.lengths("online").tolist() == [3, 3]
     assert buf.peek()["obs"][:, 0].tolist() == [998.0, 999.0]
 
@@ -557,7 +562,7 @@ def test_sample_shapes_dtypes_and_zero_fill():
     buf = dx.TrajectoryBuffer(spec, 2, 6)
     items = random_batch(spec, 1, np.random.default_rng(0))
     buf = _add(buf, items, _ids(1))  # one step: every sequence is 1 real + 3 zero steps
-    seqs, mask = eqx.filter_jit(lambda b, k: b.sample(k, 7, 4))(buf, jax.random.key(0))
+    seqs, mask, *_ = eqx.filter_jit(lambda b, k: b.sample(k, 7, 4))(buf, jax.random.key(0))
     assert jax.tree.map(lambda x: (x.shape, x.dtype), seqs) == jax.tree.map(
         lambda s: ((7, 4, *s.shape), s.dtype), spec
     )
