@@ -51,11 +51,11 @@ def n_step(
     gamma = gamma.astype(rewards.dtype)
     ends = terminated | truncated
     # Reward i is taken when no step before it ended the episode.
-    ended_before = jnp.cumsum(ends, axis=1, dtype=jnp.int32) - ends
+    ended_before = jnp.cumsum(ends, axis=1, dtype=jnp.int32) - ends.astype(jnp.int32)
     taken_mask = ended_before == 0
     taken = jnp.sum(taken_mask, axis=1, dtype=jnp.int32)
     powers = gamma ** jnp.arange(n, dtype=rewards.dtype)
-    returns = jnp.sum(jnp.where(taken_mask, rewards, 0) * powers, axis=1)
+    returns = jnp.sum(jnp.where(taken_mask, rewards, 0) * powers[None, :], axis=1)
     last = jnp.take_along_axis(terminated, (taken - 1)[:, None], axis=1)[:, 0]
     discount = jnp.where(last, jnp.zeros((), rewards.dtype), gamma ** taken.astype(rewards.dtype))
     return NStep(returns, discount, taken)

@@ -188,9 +188,9 @@ def _cut(
     """The steps an `episode_ends` policy removes from windows whose real steps end episodes
     at `ends`: after the first end at or past the learning part, and (`"within"`) up to the
     last end inside the burn-in."""
-    t = jnp.arange(ends.shape[1])
+    t = jnp.arange(ends.shape[1])[None, :]
     late = ends & (t >= burn_in)
-    cut = jnp.cumsum(late, axis=1, dtype=jnp.int32) - late > 0
+    cut = jnp.cumsum(late, axis=1, dtype=jnp.int32) > late.astype(jnp.int32)
     if policy == "within":
         early = ends & (t < burn_in)
         cut = cut | (jnp.cumsum(early[:, ::-1], axis=1, dtype=jnp.int32)[:, ::-1] > 0)

@@ -29,9 +29,15 @@ import numpy as np
 from .helpers import bump, random_bits_batch
 
 
-# The item of every registry instance: a float vector (NaN payloads survive bit for bit) and an
-# int scalar.
-ITEM = {"obs": jax.ShapeDtypeStruct((3,), jnp.float32), "act": jax.ShapeDtypeStruct((), jnp.int8)}
+# The item of every registry instance: a float vector (NaN payloads survive bit for bit), an
+# int scalar, and the reward and episode-end leaves that `TrajectoryBuffer`'s windows and
+# n-step transitions read (rewards are finite: they are summed).
+ITEM = {
+    "obs": jax.ShapeDtypeStruct((3,), jnp.float32),
+    "act": jax.ShapeDtypeStruct((), jnp.int8),
+    "rew": jax.ShapeDtypeStruct((), jnp.float32),
+    "done": jax.ShapeDtypeStruct((), jnp.bool_),
+}
 CAPACITY = 4
 BATCH = 3  # items per add_batch, and rows per sample
 NUM_ENVS = 3  # TrajectoryBuffer
@@ -67,7 +73,11 @@ def _key(seed: int):
 
 
 def _items(seed: int, n: int = BATCH, spec=ITEM):
-    return random_bits_batch(spec, n, np.random.default_rng(seed))
+    rng = np.random.default_rng(seed)
+    items = random_bits_batch(spec, n, rng)
+    if "rew" in items:
+        items = {**items, "rew": rng.standard_normal(n).astype(np.float32)}
+    return items
 
 
 def _item(seed: int):
@@ -294,6 +304,30 @@ _TRAJECTORY = {
     ),
     "sample(online)": _query(lambda b, a: b.sample(a, BATCH, SEQUENCE, source="online"), _key),
     "sample_mixed": _query(lambda b, a: b.sample_mixed(a, 2, 1, SEQUENCE), _key),
+    "sample(windows)": _query(
+        lambda b, a: b.sample(
+            a, BATCH, 1, burn_in=1, bootstrap=1, period=2, episode_ends="within", done="done"
+        ),
+        _key,
+    ),
+    "sample(strict)": _query(
+        lambda b, a: b.sample(
+            a, BATCH, 2, strict=True, episode_ends="truncate", done=("done", "done")
+        ),
+        _key,
+    ),
+    "sample_transitions": _query(
+        lambda b, a: b.sample_transitions(
+            a[0], BATCH, 1, discount=a[1], reward="rew", terminated="done"
+        ),
+        lambda s: (_key(s), np.float32(0.9)),
+    ),
+    # After the fill, envs 0 and 2 hold steps 0 and 1, env 1 step 0.
+    "overwritten": _query(
+        lambda b, a: b.overwritten(a[0], a[1]),
+        lambda s: (np.asarray([0, 2, 1], np.int32), np.asarray([s % 2, 1, 0], np.int32)),
+    ),
+    "head": _query(lambda b, a: b.head, _none),
     "lengths": _query(lambda b, a: b.lengths(), _none),
     "lengths(online)": _query(lambda b, a: b.lengths("online"), _none),
     "reset_online_queue": _new(lambda b, a: (b.reset_online_queue(), None), _none),

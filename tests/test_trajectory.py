@@ -17,7 +17,12 @@ from .reference import EmptyBufferError, EnvIdError, RefTrajectoryBuffer
 # and three (num_envs, max_length) configurations. Every step carries a unique int32 label (from
 # 1; 0 is what zero fill writes) next to a payload whose leaves cover the dtypes that must
 # survive storage and zero fill (bfloat16, int8, float32, uint32, bool).
-SPEC = {"label": jax.ShapeDtypeStruct((), jnp.int32), "x": SPECS["nested"], "y": SPECS["tuple"]}
+SPEC = {
+    "label": jax.ShapeDtypeStruct((), jnp.int32),
+    "reward": jax.ShapeDtypeStruct((), jnp.float32),
+    "x": SPECS["nested"],
+    "y": SPECS["tuple"],
+}
 CONFIGS = [(1, 3), (4, 1), (4, 5)]
 BATCH = 8
 
@@ -50,6 +55,32 @@ def _sample(buf, key, sequence_length, power, source):
 @eqx.filter_jit
 def _sample_mixed(buf, key, sequence_length, power):
     return buf.sample_mixed(key, 5, 3, sequence_length, power)
+
+
+def _episode_end(step):
+    return step["y"][1]  # a function that picks the stored bool leaf
+
+
+# Window options the state machine samples with (sequence_length 1 or 2; static, so each
+# compiles once per configuration): burn-in, bootstrap, period, strict, the episode-end
+# policies.
+WINDOW_OPTIONS = [
+    dict(sequence_length=1, burn_in=1, bootstrap=1, period=2),
+    dict(sequence_length=2, strict=True, period=2, episode_ends="truncate", done=_episode_end),
+    dict(sequence_length=1, burn_in=2, episode_ends="within", done=(_episode_end,)),
+]
+
+
+@eqx.filter_jit
+def _sample_windows(buf, key, power, source, options):
+    return buf.sample(key, BATCH, distribution_power=power, source=source, **dict(options))
+
+
+@eqx.filter_jit
+def _sample_transitions(buf, key, n, source):
+    return buf.sample_transitions(
+        key, BATCH, n, discount=0.5, reward="reward", terminated=_episode_end, source=source
+    )
 
 
 def stored_windows(buf: dx.TrajectoryBuffer, source: str = "replay") -> list:
@@ -113,6 +144,7 @@ class TrajectoryMachine(RuleBasedStateMachine):
         items = random_batch(self.spec, n, self.rng)
         first = len(self.labels) + 1
         items["label"] = np.arange(first, first + n, dtype=np.int32)
+        items["reward"] = self.rng.standard_normal(n).astype(np.float32)  # summed: finite
         return items
 
     def _add(self, env_ids, all_envs=False):
@@ -207,6 +239,74 @@ class TrajectoryMachine(RuleBasedStateMachine):
         # Replay rows first, then online rows.
         check_sequences(jax.tree.map(lambda x: x[:5], sample), self.model, t, "replay", self.labels)
         check_sequences(jax.tree.map(lambda x: x[5:], sample), self.model, t, "online", self.labels)
+
+    @rule(
+        data=st.data(),
+        source=st.sampled_from(["replay", "online"]),
+        power=st.sampled_from([0.0, 1.0]),
+    )
+    def sample_windows(self, data, source, power):
+        options = data.draw(st.sampled_from(WINDOW_OPTIONS), label="options")
+        burn_in, length = options.get("burn_in", 0), options["sequence_length"]
+        size = burn_in + length + options.get("bootstrap", 0)
+        self.key, key = jax.random.split(self.key)
+        args = (self.buf, key, jnp.asarray(power, jnp.float32), source, tuple(options.items()))
+        if size > self.buf.max_length:
+            with pytest.raises(ValueError, match="is longer than max_length"):
+                _sample_windows(*args)
+            return
+        try:
+            support = self.model.window_probabilities(
+                size,
+                period=options.get("period", 1),
+                min_real=burn_in + 1,
+                strict=options.get("strict", False),
+                source=source,
+            )
+        except EmptyBufferError:
+            with pytest.raises(RuntimeError, match="no env's .* window has an admissible start"):
+                _sample_windows(*args)
+            return
+        sample = _sample_windows(*args)
+        policy = options.get("episode_ends", "cross")
+        learning = [burn_in <= t < burn_in + length for t in range(size)]
+        rows = unstack(to_numpy(sample.items), BATCH)
+        for b, (env, start) in enumerate(zip(sample.env.tolist(), sample.start.tolist())):
+            assert (env, start) in support, (env, start)
+            mask = self.model.window_mask(env, start, size, burn_in, policy, _episode_end)
+            assert sample.mask[b].tolist() == mask
+            assert sample.learn[b].tolist() == [m and x for m, x in zip(mask, learning)]
+            for t in range(size):
+                step = jax.tree.map(lambda x: x[t], rows[b])
+                if mask[t]:
+                    assert_tree_equal(step, self.model.step(env, start + t), f"row {b} step {t}")
+                else:
+                    zero = jax.tree.map(np.zeros_like, step)
+                    assert_tree_equal(step, zero, f"row {b} step {t} (masked)")
+
+    @rule(n=st.sampled_from([1, 2]), source=st.sampled_from(["replay", "online"]))
+    def sample_transitions(self, n, source):
+        self.key, key = jax.random.split(self.key)
+        if n + 1 > self.buf.max_length:
+            with pytest.raises(ValueError, match="more than max_length"):
+                _sample_transitions(self.buf, key, n, source)
+            return
+        starts = set(self.model.transition_starts(n, source))
+        if not starts:
+            with pytest.raises(RuntimeError, match="steps yet"):
+                _sample_transitions(self.buf, key, n, source)
+            return
+        out = _sample_transitions(self.buf, key, n, source)
+        first, following = to_numpy(out.first), to_numpy(out.next)
+        for b, (env, t) in enumerate(zip(out.env.tolist(), out.start.tolist())):
+            assert (env, t) in starts
+            returns, discount, next_t = self.model.transition(
+                env, t, n, 0.5, lambda s: s["reward"], _episode_end, lambda s: False
+            )
+            np.testing.assert_allclose(float(out.returns[b]), returns, rtol=1e-5, atol=1e-6)
+            assert float(out.discount[b]) == discount
+            assert_tree_equal(jax.tree.map(lambda x: x[b], first), self.model.step(env, t))
+            assert_tree_equal(jax.tree.map(lambda x: x[b], following), self.model.step(env, next_t))
 
     @invariant()
     def same_state(self):
