@@ -54,7 +54,8 @@ def main(
 
     @eqx.filter_jit(donate="all-except-first")
     def learn(key, buf):
-        seqs, mask = buf.sample_mixed(key, replay_batch_size, online_batch_size, sequence_length)
+        sample = buf.sample_mixed(key, replay_batch_size, online_batch_size, sequence_length)
+        seqs, mask = sample.items, sample.mask
         # A real learner would compute its loss on `seqs`, weighting steps by `mask` and
         # cutting returns at `seqs["done"]`; here we only measure the batch.
         stats = {
