@@ -150,10 +150,9 @@ def _pick(step: PyTree, name: LeafName) -> Any:
     return getattr(step, name)
 
 
-def _check_leaf(data: PyTree[Array], name: Any, call: str, arg: str, floating: bool) -> None:
+def _check_leaf(data: PyTree[Array], name: Any, what: str, floating: bool) -> None:
     """Check at trace time that `name` picks one stored leaf with one value per step, of a
-    floating dtype (`floating`) or bool."""
-    what = f"`{call}({arg}=...)`"
+    floating dtype (`floating`) or bool. `what` names the argument in messages."""
     if not (isinstance(name, str) or callable(name)):
         raise TypeError(
             f"{what} must name a leaf of the step: a str (a key or attribute of the step) or a "
@@ -651,10 +650,10 @@ class TrajectoryBuffer(eqx.Module):
             )
         source = check_choice(source, _SOURCES, f"{call}(source=...)")
         gamma = check_real_scalar(discount, call, "discount").astype(jnp.float32)
-        _check_leaf(self.data, reward, call, "reward", floating=True)
-        _check_leaf(self.data, terminated, call, "terminated", floating=False)
+        _check_leaf(self.data, reward, f"`{call}(reward=...)`", floating=True)
+        _check_leaf(self.data, terminated, f"`{call}(terminated=...)`", floating=False)
         if truncated is not None:
-            _check_leaf(self.data, truncated, call, "truncated", floating=False)
+            _check_leaf(self.data, truncated, f"`{call}(truncated=...)`", floating=False)
 
         lengths = self.lengths(source)
         env, back, _ = draw_starts(
@@ -786,7 +785,7 @@ class TrajectoryBuffer(eqx.Module):
             if not names:
                 raise ValueError(f"`{call}(done=...)` is an empty tuple; name at least one leaf.")
             for name in names:
-                _check_leaf(self.data, name, call, "done", floating=False)
+                _check_leaf(self.data, name, f"`{call}(done=...)`", floating=False)
         law = Law(size, period, min_real=burn_in + 1, strict=strict)
         return _Windows(law, burn_in, length, episode_ends, names)
 
@@ -812,10 +811,11 @@ class TrajectoryBuffer(eqx.Module):
         if law.period > 1:
             needs.append(f"a step number that is a multiple of period = {law.period}")
         ok = admissible(lengths, self._phase(law), law)
+        conditions = " and ".join(needs)
         return (
             ~jnp.any(ok),
             f"`{call}`: no env's {source} window has an admissible start; a start needs "
-            + " and ".join(needs),
+            f"{conditions}",
         )
 
     def _draw(

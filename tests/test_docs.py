@@ -506,7 +506,7 @@ def test_errors_page_quotes_only_real_messages():
 def _exercise_every_fault_site() -> None:
     """Trace, on valid arguments, every method that reports faults (tracing is enough: the
     messages reach `check_faults` whether a fault holds or not, and nothing is compiled)."""
-    item = {"obs": jnp.zeros(2), "reward": jnp.asarray(1.0)}
+    item = {"obs": jnp.zeros(2), "reward": jnp.asarray(1.0), "done": jnp.asarray(False)}
     buffers = (
         dx.CircularBuffer(item, 4),
         dx.UniformReplay(item, 4),
@@ -536,7 +536,11 @@ def _exercise_every_fault_site() -> None:
         trajectories.add(batch, env_ids=slots).peek()
         for source in ("replay", "online"):
             trajectories.sample(key, 2, 2, source=source)
+            trajectories.sample(key, 2, 1, burn_in=1, strict=True, source=source)
         trajectories.sample_mixed(key, 1, 1, 2)
+        trajectories.sample_mixed(key, 1, 1, 1, period=2, episode_ends="within", done="done")
+        trajectories.sample_transitions(key, 2, 1, discount=0.9, reward="reward", terminated="done")
+        trajectories.overwritten(slots, slots)
 
     eqx.filter_eval_shape(run, buffers, jax.random.key(0))
 
