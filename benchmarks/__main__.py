@@ -25,6 +25,7 @@ f32[128], "action": i32[], "reward": f32[], "done": bool[]}` unless a workload s
 | W4 | capacity 1M (~0.5 GB), 200 donated W3 steps (uniform) | peak RSS / buffer bytes |
 | W5 | sample 64 windows of 32 steps from 64 streams of 1k/4k/16k steps (trajectory) | µs/sample |
 | W6 | PrioritisedReplay 1M: sample 256 + set_priorities 256 per step (prioritised) | steps/s |
+| W7 | sample 64 windows of 125 steps per option, 16 streams of 1k/4k/16k (sequences) | µs/sample |
 """
 
 import argparse
@@ -32,7 +33,7 @@ import json
 import time
 from pathlib import Path
 
-from . import _harness as h, prioritised, trajectory, uniform
+from . import _harness as h, prioritised, sequences, trajectory, uniform
 
 
 WORKLOADS = {
@@ -42,6 +43,7 @@ WORKLOADS = {
     "W4": uniform.w4,
     "W5": trajectory.w5,
     "W6": prioritised.w6,
+    "W7": sequences.w7,
 }
 
 
@@ -55,6 +57,18 @@ _W3_SYSTEMS = (
     "raw filter_jit",
     "flashbax",
 )
+
+
+# W7: `sample` with each of `sequences.OPTIONS` against one floor, then `sample_transitions`
+# against its own. The options differ only in `sample`'s keyword arguments, so the quick plan
+# keeps the one that uses most of them (each row is a process: several seconds even there).
+_W7_SYSTEMS = (
+    *(f"dejax_eqx {option}" for option in sequences.OPTIONS),
+    "raw",
+    "dejax_eqx, transitions n=5",
+    "raw, transitions n=5",
+)
+_W7_QUICK = ("dejax_eqx R2D2 within", "raw", "dejax_eqx, transitions n=5", "raw, transitions n=5")
 
 
 def plan(quick: bool) -> list[tuple[str, str, int, int, int]]:
@@ -80,6 +94,7 @@ def plan(quick: bool) -> list[tuple[str, str, int, int, int]]:
                 ("W6", s, 10_000, 20, 1)
                 for s in ("dejax_eqx", "dejax_eqx stratified", "flashbax", "raw")
             ],
+            *[("W7", s, 256, 5, 1) for s in _W7_QUICK],
         ]
     r = 5
     return [
@@ -110,6 +125,7 @@ def plan(quick: bool) -> list[tuple[str, str, int, int, int]]:
                 *(("dejax_eqx stratified", "flashbax") if c == 1_000_000 else ()),
             )
         ],
+        *[("W7", s, m, 200, r) for m in (1024, 4096, 16384) for s in _W7_SYSTEMS],
     ]
 
 

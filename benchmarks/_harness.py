@@ -276,7 +276,37 @@ def report(results: list[dict]) -> str:
                 f"| {ratios[1]} |"
             )
         lines.append("")
+        lines += _scaling(rows)
     return "\n".join(lines)
+
+
+def _scaling(rows: list[dict]) -> list[str]:
+    """A table of how each system's cost grows with the size, for the systems measured at more
+    than one size: the time per unit at each size over the time at its smallest size (so 1.00x
+    is flat, whatever the unit). Nothing for a workload measured at one size."""
+    ok = [r for r in rows if "error" not in r]
+    by_system: dict[str, dict[int, dict]] = {}
+    for r in ok:
+        by_system.setdefault(r["system"], {})[r["size"]] = r
+    by_system = {name: sizes for name, sizes in by_system.items() if len(sizes) > 1}
+    if not by_system:
+        return []
+    columns = sorted({size for sizes in by_system.values() for size in sizes})[1:]
+    lines = [
+        "Cost at each size relative to the system's smallest size (1.00x: flat):",
+        "",
+        "| system | smallest | " + " | ".join(f"{c:,}" for c in columns) + " |",
+        "|---|---:|" + "---:|" * len(columns),
+    ]
+    for name, sizes in by_system.items():
+        smallest = min(sizes)
+        cells = [
+            f"{ratio(sizes[smallest], sizes[c]):.2f}x" if c in sizes and c != smallest else ""
+            for c in columns
+        ]
+        lines.append(f"| {name} | {smallest:,} | " + " | ".join(cells) + " |")
+    lines.append("")
+    return lines
 
 
 def plot(results: list[dict], path: Path) -> None:
