@@ -310,12 +310,6 @@ _TRAJECTORY = {
         ),
         _key,
     ),
-    "sample(strict)": _query(
-        lambda b, a: b.sample(
-            a, BATCH, 2, strict=True, episode_ends="truncate", done=("done", "done")
-        ),
-        _key,
-    ),
     "sample_transitions": _query(
         lambda b, a: b.sample_transitions(
             a[0], BATCH, 1, discount=a[1], reward="rew", terminated="done"
