@@ -10,6 +10,14 @@ from jaxtyping import install_import_hook
 # function and module of the package is checked by beartype during the tests.
 _hook = install_import_hook("dejax_eqx", "beartype.beartype")
 
+# The tests compile far more than they compute, and LLVM's optimisation of the generated CPU code
+# is most of each compilation while buying nothing on test-sized arrays: it is off for the tests
+# (and the subprocesses they start). XLA's own graph passes (fusion, layout) still run, so the
+# tests check the programs users run; the benchmarks and the library keep XLA's defaults.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    _flags = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+    os.environ["XLA_FLAGS"] = _flags.strip()
+
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
