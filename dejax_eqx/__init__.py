@@ -12,6 +12,7 @@ from ._prioritised import (
     importance_weights as importance_weights,
     PrioritisedReplay as PrioritisedReplay,
     PrioritisedSample as PrioritisedSample,
+    sequence_priorities as sequence_priorities,
 )
 from ._storage import CircularBuffer as CircularBuffer
 from ._sum_tree import SumTree as SumTree

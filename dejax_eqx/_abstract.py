@@ -4,7 +4,7 @@ from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
-from jaxtyping import Array, ArrayLike, Bool, Int, Integer, PRNGKeyArray, PyTree, Real
+from jaxtyping import Array, ArrayLike, Bool, Int, Integer, PRNGKeyArray, PyTree, Real, UInt32
 
 
 _R = TypeVar("_R", bound="AbstractReplay")
@@ -133,6 +133,7 @@ class AbstractPrioritisedReplay(AbstractReplay):
         priorities: Real[ArrayLike, " n"],
         *,
         mask: Bool[ArrayLike, " n"] | None = None,
+        stamps: UInt32[ArrayLike, " n"] | None = None,
     ) -> _PR:
         """Set the priorities of the items in slots `indices`.
 
@@ -146,6 +147,10 @@ class AbstractPrioritisedReplay(AbstractReplay):
         - `priorities`: array of shape `(n,)`, finite and non-negative.
         - `mask`: optional boolean array of shape `(n,)`: only the entries where it is `True`
             are set (and checked); the others may hold anything.
+        - `stamps`: optional uint32 array of shape `(n,)`, the `stamps` of the sample the
+            indices came from: an entry whose slot has been written since that sample is
+            ignored (it would give a new item the priority computed for the old one).
+            `stale(indices, stamps)` tells which entries those are.
 
         **Returns:** the new replay.
 

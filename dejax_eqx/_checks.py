@@ -22,7 +22,7 @@ import jax.core
 import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import keystr, tree_flatten_with_path
-from jaxtyping import Array, ArrayLike, Bool, Int, PyTree
+from jaxtyping import Array, ArrayLike, Bool, Int, PyTree, UInt32
 
 
 INT32_MAX = int(np.iinfo(np.int32).max)
@@ -403,6 +403,26 @@ def _check_real_dtype(x: ArrayLike, call: str, name: str) -> None:
         raise TypeError(
             f"`{call}`: `{name}` has dtype {dtype}, expected a floating or integer dtype."
         )
+
+
+def check_stamps(stamps: ArrayLike, n: int, call: str) -> UInt32[Array, " n"]:
+    """Stamps as `sample` returns them: a uint32 array of shape `(n,)` (any other dtype would
+    be converted, and an int32 stamp past 2**31 wraps)."""
+    if not isinstance(stamps, jax.Array | np.ndarray):
+        raise TypeError(
+            f"`{call}`: `stamps` must be the uint32 array a sample returned, got a "
+            f"{type(stamps).__name__}."
+        )
+    if stamps.dtype != jnp.uint32:
+        raise TypeError(
+            f"`{call}`: `stamps` has dtype {stamps.dtype}, expected uint32 (as a sample "
+            "returns them)."
+        )
+    if tuple(stamps.shape) != (n,):
+        raise ValueError(
+            f"`{call}`: `stamps` has shape {tuple(stamps.shape)}, expected ({n},): one per index."
+        )
+    return jnp.asarray(stamps)
 
 
 def check_index(

@@ -4,7 +4,7 @@ from typing import Any, TypeVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Bool, Int, Integer, PRNGKeyArray, PyTree, Real
+from jaxtyping import Array, ArrayLike, Bool, Int, Integer, PRNGKeyArray, PyTree, Real, UInt32
 
 from ._abstract import AbstractPrioritisedReplay, AbstractReplay
 from ._checks import (
@@ -15,6 +15,7 @@ from ._checks import (
     check_index_fn,
     check_items,
     check_positive_int,
+    check_stamps,
     check_vector,
     INT32_MAX,
     is_concrete,
@@ -221,6 +222,8 @@ class ClusteredReplay(AbstractReplay):
         cluster_ids: Integer[ArrayLike, " n"],
         indices: Integer[ArrayLike, " n"],
         priorities: Real[ArrayLike, " n"],
+        *,
+        stamps: UInt32[ArrayLike, " n"] | None = None,
     ) -> _C:
         """Set priorities in the clusters of a prioritised inner replay.
 
@@ -235,6 +238,9 @@ class ClusteredReplay(AbstractReplay):
         - `cluster_ids`: integer array of shape `(n,)`, ids in `[0, num_clusters)`.
         - `indices`: integer array of shape `(n,)`, stored slots of those clusters.
         - `priorities`: array of shape `(n,)`, finite and non-negative.
+        - `stamps`: optional uint32 array of shape `(n,)`, the sample's `stamps`: an entry
+            whose slot has been written since is ignored (see
+            `PrioritisedReplay.set_priorities`).
 
         **Returns:** the new replay.
 
@@ -261,6 +267,8 @@ class ClusteredReplay(AbstractReplay):
             length=(n, "cluster id"),
         )
         priorities = check_vector(priorities, n, call, "priorities")
+        if stamps is not None:
+            stamps = check_stamps(stamps, n, call)
         # The guard sits on the ids, which every cluster's update reads.
         ids = check_faults(
             ids,
@@ -275,7 +283,7 @@ class ClusteredReplay(AbstractReplay):
         clusters: AbstractPrioritisedReplay = self.clusters
 
         def set_in(cluster: AbstractPrioritisedReplay, c: Int[Array, ""]):
-            return cluster.set_priorities(indices, priorities, mask=ids == c)
+            return cluster.set_priorities(indices, priorities, mask=ids == c, stamps=stamps)
 
         clusters = eqx.filter_vmap(set_in)(clusters, jnp.arange(self.num_clusters, dtype=jnp.int32))
         return eqx.tree_at(lambda r: r.clusters, self, clusters)

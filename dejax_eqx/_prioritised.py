@@ -16,6 +16,7 @@ from jaxtyping import (
     PyTree,
     Real,
     Shaped,
+    UInt32,
 )
 
 from ._abstract import AbstractPrioritisedReplay
@@ -23,6 +24,7 @@ from ._checks import (
     as_prototype,
     check_bool,
     check_faults,
+    check_finite_float,
     check_float_dtype,
     check_fn_output,
     check_index,
@@ -31,6 +33,7 @@ from ._checks import (
     check_nonnegative_float,
     check_positive_int,
     check_real_scalar,
+    check_stamps,
     check_vector,
     Fault,
     Prototype,
@@ -52,11 +55,15 @@ class PrioritisedSample(NamedTuple):
         pass to `PrioritisedReplay.set_priorities`.
     - `probabilities`: array of shape `(batch,)`, the probability `P(i)` of drawing each
         sampled item in one i.i.d. draw, to pass to `importance_weights`.
+    - `stamps`: uint32 array of shape `(batch,)`, the write generation of each sampled slot:
+        pass it to `set_priorities(..., stamps=...)` so that an update computed for an item
+        is never applied to a newer item written to the same slot since.
     """
 
     items: PyTree[Shaped[Array, "batch ..."]]
     indices: Int[Array, " batch"]
     probabilities: Float[Array, " batch"]
+    stamps: UInt32[Array, " batch"]
 
 
 class PrioritisedReplay(AbstractPrioritisedReplay):
@@ -74,6 +81,11 @@ class PrioritisedReplay(AbstractPrioritisedReplay):
         pass the slots back to `set_priorities`.
     - Slots are physical: the `k`-th item added to a fresh replay (from 0) sits in slot
         `k % max_size`, and a slot stays valid until it is overwritten.
+    - Stale updates are dropped when asked: every slot counts the add calls that wrote it
+        (its *generation*, `generations`), a sample returns the generation of each slot it
+        drew (`stamps`), and `set_priorities(..., stamps=sample.stamps)` ignores the entries
+        whose slot has been written since, as a learner that updates priorities a few steps
+        after sampling needs. `stale` says which entries those are.
 
     Sampling and `set_priorities` cost O(batch · log max_size); adding costs
     O(n · log max_size) for `n` items, besides writing them.
@@ -105,6 +117,7 @@ class PrioritisedReplay(AbstractPrioritisedReplay):
     storage: CircularBuffer
     tree: SumTree
     max_priority: Float[Array, ""]
+    generations: UInt32[Array, " max_size"]
     priority_exponent: float = eqx.field(static=True)
     stratified: bool = eqx.field(static=True)
 
@@ -144,6 +157,9 @@ class PrioritisedReplay(AbstractPrioritisedReplay):
         )
         self.tree = SumTree(max_size, dtype)
         self.max_priority = jnp.asarray(1.0, dtype)
+        # uint32 and compared only for equality: a count that wraps after 2**32 writes of one
+        # slot stays correct for any update made within 2**32 writes of its sample.
+        self.generations = jnp.zeros(max_size, jnp.uint32)
 
     @property
     def max_size(self) -> int:
@@ -175,7 +191,7 @@ class PrioritisedReplay(AbstractPrioritisedReplay):
         if priority is not None:
             priority = check_real_scalar(priority, call, "priority")[None]
         storage, slot = write(self.storage, item)
-        return self._with_priorities(storage, slot[None], priority, call, unique=True)
+        return self._with_priorities(storage, slot[None], priority, call, unique=True, written=True)
 
     def add_batch(
         self: _P,
@@ -207,7 +223,11 @@ class PrioritisedReplay(AbstractPrioritisedReplay):
         # Items overwritten within the batch get the out-of-range slot max_size (dropped), but
         # their priorities are still recorded in `max_priority`, as n adds would.
         storage, slots = write_batch(self.storage, items, mask)
-        return self._with_priorities(storage, slots, priorities, call, mask=mask, unique=True)
+        # Every slot the batch writes ends up holding its last item, which `write_batch`
+        # returns: its generation counts this call once.
+        return self._with_priorities(
+            storage, slots, priorities, call, mask=mask, unique=True, written=True
+        )
 
     def set_priorities(
         self: _P,
@@ -215,6 +235,7 @@ class PrioritisedReplay(AbstractPrioritisedReplay):
         priorities: Real[ArrayLike, " n"],
         *,
         mask: Bool[ArrayLike, " n"] | None = None,
+        stamps: UInt32[ArrayLike, " n"] | None = None,
     ) -> _P:
         call = "PrioritisedReplay.set_priorities"
         slots, bad = check_index(indices, self.max_size, f"{call}(indices=...)", ndim=1)
@@ -222,6 +243,9 @@ class PrioritisedReplay(AbstractPrioritisedReplay):
         priorities = check_vector(priorities, n, call, "priorities")
         if mask is not None:
             mask = check_mask(mask, n, call)
+        # Stale entries are checked like the others (a bad index or priority is an error
+        # either way), then left out.
+        keep = None if stamps is None else self._current(slots, check_stamps(stamps, n, call))
         # A replay never pops, so its stored slots are exactly [0, size).
         bad = bad | (slots >= self.storage.size)
         return self._with_priorities(
@@ -230,12 +254,48 @@ class PrioritisedReplay(AbstractPrioritisedReplay):
             priorities,
             call,
             mask=mask,
+            keep=keep,
             index_fault=(
                 bad if mask is None else bad & mask,
                 f"`{call}`: index out of range; every index must be a stored slot, "
                 "0 <= index < size",
             ),
         )
+
+    def stale(
+        self, indices: Integer[ArrayLike, " n"], stamps: UInt32[ArrayLike, " n"]
+    ) -> Bool[Array, " n"]:
+        """Which sampled slots have been written since they were sampled.
+
+        **Arguments:**
+
+        - `indices`: integer array of shape `(n,)`, slots as `sample` returned them.
+        - `stamps`: uint32 array of shape `(n,)`, the `stamps` of the same sample.
+
+        **Returns:** a boolean array of shape `(n,)`, `True` where the slot holds a newer item
+        than the one sampled: the entries `set_priorities(..., stamps=stamps)` ignores.
+        `jnp.sum(replay.stale(s.indices, s.stamps))` counts the dropped updates.
+
+        **Raises:** `TypeError`/`ValueError` at once if `stamps` is not a uint32 array of
+        shape `(n,)`; an `eqx.error_if` error if an index is not a stored slot.
+        """
+        call = "PrioritisedReplay.stale"
+        slots, bad = check_index(indices, self.max_size, f"{call}(indices=...)", ndim=1)
+        stamps = check_stamps(stamps, slots.shape[0], call)
+        return check_faults(
+            ~self._current(slots, stamps),
+            [
+                (
+                    bad | (slots >= self.storage.size),
+                    f"`{call}`: index out of range; every index must be a stored slot, "
+                    "0 <= index < size",
+                )
+            ],
+        )
+
+    def _current(self, slots: Int[Array, " n"], stamps: UInt32[Array, " n"]) -> Bool[Array, " n"]:
+        # Out-of-range slots (`max_size`) read generation 0: the caller reports them.
+        return jnp.take(self.generations, slots, mode="fill", fill_value=0) == stamps
 
     def sample(self, key: PRNGKeyArray, batch_size: int) -> PrioritisedSample:
         """Draw `batch_size` stored items with probabilities `P(i)`, with replacement.
@@ -297,7 +357,9 @@ class PrioritisedReplay(AbstractPrioritisedReplay):
         # No NaN even on an empty replay (wrappers draw from those too, then discard the rows).
         leaf = jnp.take(tree.nodes, slots)  # `slots` are leaves: in [0, max_size)
         probabilities = jnp.where(positive, leaf / jnp.where(positive, total, 1), 0)
-        return PrioritisedSample(gather_slots(self.storage, slots), slots, probabilities)
+        return PrioritisedSample(
+            gather_slots(self.storage, slots), slots, probabilities, self.generations[slots]
+        )
 
     def update(self: _P, fn: Callable[[PyTree[Array]], PyTree[Array]]) -> _P:
         """Apply `fn(item) -> item` to every stored item; priorities are unchanged."""
@@ -321,10 +383,14 @@ class PrioritisedReplay(AbstractPrioritisedReplay):
         mask: Bool[Array, " n"] | None = None,
         unique: bool = False,
         index_fault: Fault | None = None,
+        written: bool = False,
+        keep: Bool[Array, " n"] | None = None,
     ) -> _P:
         """The replay with `storage`, and the priorities of `slots` set (out-of-range or
         masked-out slots dropped; `unique`: the kept slots are distinct). `None` priorities
-        mean `max_priority`. `index_fault` reports indices the caller found invalid."""
+        mean `max_priority`. `index_fault` reports indices the caller found invalid.
+        `written`: `slots` were just written (distinct, dropped ones out of range): their
+        generations advance. `keep`: of the (checked) entries, set only these."""
         faults = [] if index_fault is None else [index_fault]
         if priorities is None:
             mass = jnp.broadcast_to(self._mass(self.max_priority), slots.shape)
@@ -345,9 +411,16 @@ class PrioritisedReplay(AbstractPrioritisedReplay):
         # into the tree, and the new maximum. Not the tree or the storage: threading those
         # through a check could copy them.
         slots, mass, max_priority = check_faults((slots, mass, max_priority), faults)
+        if keep is not None:
+            mask = keep if mask is None else mask & keep
         tree = set_leaves(self.tree, slots, mass, mask=mask, unique=unique)
+        generations = self.generations
+        if written:
+            generations = generations.at[slots].add(1, mode="drop", unique_indices=True)
         return eqx.tree_at(
-            lambda r: (r.storage, r.tree, r.max_priority), self, (storage, tree, max_priority)
+            lambda r: (r.storage, r.tree, r.max_priority, r.generations),
+            self,
+            (storage, tree, max_priority, generations),
         )
 
 
@@ -417,3 +490,61 @@ def importance_weights(
             ),
         ],
     )
+
+
+def sequence_priorities(
+    td_errors: Float[ArrayLike, "batch seq"],
+    mask: Bool[ArrayLike, "batch seq"],
+    eta: float = 0.9,
+) -> Float[Array, " batch"]:
+    """R2D2's priority of each sequence: a mixture of the largest and the mean absolute TD
+    error over the steps that count.
+
+    `p = η · max_t |δ_t| + (1 - η) · mean_t |δ_t|` over the steps `t` where `mask` is `True`
+    (Kapturowski et al., 2019, with `η = 0.9`). The mean alone washes out the rare large
+    errors of a long sequence; the max alone is noisy. A row with no masked-in step gets
+    priority 0 (it has nothing to learn from, and is then never drawn).
+
+    **Arguments:**
+
+    - `td_errors`: floating array of shape `(batch, seq)`, e.g. over a window's steps.
+    - `mask`: boolean array of the same shape, e.g. `SequenceSample.learn`.
+    - `eta`: `η`, a Python float in `[0, 1]` (default 0.9).
+
+    **Returns:** an array of shape `(batch,)` in the dtype of `td_errors`, non-negative
+    where the masked-in errors are finite.
+
+    **Raises:** `TypeError`/`ValueError` at once for a non-floating `td_errors`, a non-bool
+    `mask`, shapes that differ or an `eta` outside `[0, 1]`.
+
+    !!! Example
+
+        ```python
+        import jax.numpy as jnp
+        import dejax_eqx as dx
+
+        td = jnp.array([[1.0, -3.0, 2.0], [5.0, 0.0, 0.0]])
+        learn = jnp.array([[True, True, True], [False, False, False]])
+        p = dx.sequence_priorities(td, learn, eta=0.5)
+        assert jnp.allclose(p, jnp.array([0.5 * 3.0 + 0.5 * 2.0, 0.0]))
+        ```
+    """
+    call = "sequence_priorities"
+    td_errors, mask = jnp.asarray(td_errors), jnp.asarray(mask)
+    if not jnp.issubdtype(td_errors.dtype, jnp.floating):
+        raise TypeError(f"`{call}`: `td_errors` must have a floating dtype, got {td_errors.dtype}.")
+    if mask.dtype != jnp.bool_:
+        raise TypeError(f"`{call}`: `mask` must be a bool array, got dtype {mask.dtype}.")
+    if td_errors.ndim != 2 or mask.shape != td_errors.shape:
+        raise ValueError(
+            f"`{call}`: `td_errors` and `mask` must both have shape (batch, seq), got "
+            f"{td_errors.shape} and {mask.shape}."
+        )
+    eta = check_finite_float(eta, f"{call}(eta=...)")
+    if not 0.0 <= eta <= 1.0:
+        raise ValueError(f"`{call}(eta=...)` must be in [0, 1], got {eta}.")
+    size = jnp.sum(mask, axis=1, dtype=td_errors.dtype)
+    magnitude = jnp.where(mask, jnp.abs(td_errors), 0)
+    largest = jnp.max(magnitude, axis=1)
+    mean = jnp.sum(magnitude, axis=1) / jnp.maximum(size, 1)
+    return (eta * largest + (1 - eta) * mean).astype(td_errors.dtype)

@@ -366,6 +366,7 @@ class RefPrioritisedReplay:
         self.count = 0
         self.head = 0
         self.max_priority = 1.0
+        self.generations = [0] * max_size  # add calls that wrote each slot, mod 2**32
 
     @property
     def size(self) -> int:
@@ -380,20 +381,33 @@ class RefPrioritisedReplay:
         else:
             _check_values(priorities)
             self.max_priority = max([self.max_priority, *map(float, priorities)])
+        written = set()
         for item, p in zip(items, priorities):
             self.items[self.head] = item
             self.priorities[self.head] = p
+            written.add(self.head)
             self.head = (self.head + 1) % self.max_size
             self.count = min(self.count + 1, self.max_size)
+        for slot in written:
+            self.generations[slot] = (self.generations[slot] + 1) % 2**32
 
-    def set_priorities(self, indices, priorities) -> None:
+    def stale(self, indices, stamps) -> list[bool]:
+        """Which entries' slots were written since their sample (`stamps`: its generations)."""
+        if any(not 0 <= i < self.count for i in indices):
+            raise IndexError(indices)
+        return [self.generations[i] != int(s) for i, s in zip(indices, stamps)]
+
+    def set_priorities(self, indices, priorities, stamps=None) -> None:
+        """Every entry is checked; with `stamps`, the stale ones are then left out."""
         indices = np.asarray(indices)
         if ((indices < 0) | (indices >= self.count)).any():
             raise IndexError(indices)
         _check_values(priorities)
         self.max_priority = max([self.max_priority, *map(float, priorities)])
-        for i, p in zip(indices, priorities):
-            self.priorities[i] = p
+        stale = [False] * len(indices) if stamps is None else self.stale(indices, stamps)
+        for i, p, old in zip(indices, priorities, stale):
+            if not old:
+                self.priorities[i] = p
 
     def update(self, fn: Callable) -> None:
         for i in range(self.count):

@@ -100,6 +100,10 @@ def _indices(seed: int, n: int = BATCH, high: int = BATCH):
     return np.random.default_rng(seed).integers(0, high, n).astype(np.int32)
 
 
+def _stamps(seed: int, n: int = BATCH):
+    return np.random.default_rng(seed).integers(0, 3, n).astype(np.uint32)
+
+
 def _none(seed: int):
     return ()
 
@@ -174,6 +178,12 @@ _PRIORITISED = {
         lambda b, a: (b.set_priorities(a[0], a[1], mask=a[2]), None),
         lambda s: (_indices(s), _priorities(s), _mask(s)),
     ),
+    # After the fill every stored slot has generation 1: some stamps current, some not.
+    "set_priorities(stamps)": _new(
+        lambda b, a: (b.set_priorities(a[0], a[1], stamps=a[2]), None),
+        lambda s: (_indices(s), _priorities(s), _stamps(s)),
+    ),
+    "stale": _query(lambda b, a: b.stale(a[0], a[1]), lambda s: (_indices(s), _stamps(s))),
     "max_priority": _query(lambda b, a: b.max_priority, _none),
     # The free function that goes with a prioritised sample.
     "importance_weights": _query(
@@ -224,6 +234,13 @@ _CLUSTERED_PRIORITISED = {
     "set_priorities": _new(
         lambda b, a: (_clustered_set_priorities(b, a), None),
         lambda s: (np.zeros(BATCH, np.int32) + s % 2, _priorities(s)),
+    ),
+    "set_priorities(stamps)": _new(
+        lambda b, a: (
+            b.set_priorities(a[0], jnp.zeros_like(a[0]), a[1], stamps=a[2]),
+            None,
+        ),
+        lambda s: (np.zeros(BATCH, np.int32) + s % 2, _priorities(s), _stamps(s)),
     ),
 }
 

@@ -299,7 +299,11 @@ def test_prioritised_inner_samples_cluster_then_priority(power):
     drawn = _draws(replay, jax.random.key(7))
     assert isinstance(drawn, dx.PrioritisedSample)
     # Each row's index and probability are those of its item within its own cluster.
-    rows = np.stack([np.asarray(x) for x in drawn], axis=1)
+    rows = np.stack([np.asarray(x) for x in drawn[:3]], axis=1)  # items, indices, probs
+    # Stamps are the write generations of each row's slot in its own cluster.
+    clusters = np.asarray(drawn.items) // 1000
+    generations = [model.clusters[c].generations[i] for c, i in zip(clusters, drawn.indices)]
+    assert np.asarray(drawn.stamps).tolist() == generations
     for label, index, probability in np.unique(rows, axis=0):
         cluster = model.clusters[int(label) // 1000]
         assert cluster.contents()[int(index)] == label
@@ -515,3 +519,24 @@ def test_same_function_compiles_once_a_fresh_lambda_retraces():
     replay = dx.ClusteredReplay(dx.UniformReplay(_proto(), 4), 3, lambda item: item["c"])
     step(replay, _items(2), jax.random.key(0))
     assert len(traces) == 2
+
+
+def test_prioritised_inner_drops_stale_priority_updates():
+    replay, _ = _prioritised(1.0)
+    drawn = eqx.filter_jit(lambda r, k: r.sample(k, 64))(replay, jax.random.key(3))
+    clusters = (np.asarray(drawn.items) // 1000).astype(np.int32)
+    assert {0, 1} <= set(clusters.tolist())
+    # Eight new items of cluster 1 rewrite all of its slots.
+    replay = _add_batch(replay, jnp.arange(1100, 1108, dtype=jnp.int32))
+    leaves = eqx.filter_vmap(lambda r: r.tree.leaves)  # one row per cluster
+    before = np.asarray(leaves(replay.clusters))
+    priorities = np.random.default_rng(0).uniform(1, 2, 64).astype(np.float32)
+    update = eqx.filter_jit(lambda r, c, i, p, s: r.set_priorities(c, i, p, stamps=s))
+    after = np.asarray(
+        leaves(update(replay, clusters, drawn.indices, priorities, drawn.stamps).clusters)
+    )
+    want = before.copy()
+    for c, i, p in zip(clusters, np.asarray(drawn.indices), priorities):
+        if c != 1:  # cluster 1's sampled slots hold new items: left alone
+            want[c, i] = p**0.5
+    np.testing.assert_allclose(after, want, rtol=1e-6)

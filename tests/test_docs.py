@@ -528,6 +528,7 @@ def _exercise_every_fault_site() -> None:
         uniform.add_batch(batch).sample(key, 2)
         tree.set(slots, ones).get(slots)
         prioritised.add_batch(batch, ones).set_priorities(slots, ones).sample(key, 2)
+        prioritised.stale(slots, jnp.zeros(2, jnp.uint32))
         dx.importance_weights(jnp.array([0.5, 0.5]), 2, 0.4)
         clustered = clustered.add_batch(batch)
         clustered.sample(key, 2)

@@ -43,6 +43,7 @@ _add_batch_p = eqx.filter_jit(lambda r, x, p: r.add_batch(x, p))
 _add_batch_m = eqx.filter_jit(lambda r, x, m: r.add_batch(x, mask=m))
 _add_batch_pm = eqx.filter_jit(lambda r, x, p, m: r.add_batch(x, p, mask=m))
 _set_priorities = eqx.filter_jit(lambda r, i, p: r.set_priorities(i, p))
+_set_stamped = eqx.filter_jit(lambda r, i, p, s: (r.set_priorities(i, p, stamps=s), r.stale(i, s)))
 _update = eqx.filter_jit(lambda r: r.update(bump))
 _sample = eqx.filter_jit(lambda r, key: r.sample(key, SAMPLE))
 
@@ -76,6 +77,7 @@ class PrioritisedReplayMachine(RuleBasedStateMachine):
         self.replay = dx.PrioritisedReplay(self.spec, max_size, ALPHA)
         self.model = RefPrioritisedReplay(max_size, ALPHA)
         self.key = jax.random.key(seed)
+        self.samples: list = []  # (indices, stamps) of the latest samples, oldest first
 
     def _priorities(self, data, n):
         return _f32(data.draw(st.lists(st.sampled_from(PRIORITIES), min_size=n, max_size=n)))
@@ -185,10 +187,25 @@ class PrioritisedReplayMachine(RuleBasedStateMachine):
         np.testing.assert_allclose(np.asarray(s.probabilities), expected[indices], rtol=1e-5)
         for row, i in zip(unstack(s.items, SAMPLE), indices):
             assert_tree_equal(row, self.model.items[i])
+        assert s.stamps.dtype == jnp.uint32
+        assert s.stamps.tolist() == [self.model.generations[i] for i in indices]
+        self.samples = [*self.samples[-2:], (indices, np.asarray(s.stamps))]
+
+    @precondition(lambda self: self.samples)
+    @rule(data=st.data())
+    def set_priorities_of_an_earlier_sample(self, data):
+        # A learner that updates priorities a few steps after sampling (pipelined or async):
+        # the slots written since must keep the priorities of their new items.
+        indices, stamps = data.draw(st.sampled_from(self.samples), label="sample")
+        priorities = self._priorities(data, SAMPLE)
+        self.replay, stale = _set_stamped(self.replay, indices, priorities, stamps)
+        assert stale.tolist() == self.model.stale(indices, stamps)
+        self.model.set_priorities(indices, priorities, stamps)
 
     @invariant()
     def same_state(self):
         assert int(self.replay.size) == self.model.size
+        assert self.replay.generations.tolist() == self.model.generations
         assert float(self.replay.max_priority) == self.model.max_priority
         np.testing.assert_allclose(
             np.asarray(self.replay.tree.leaves), self.model.masses(), rtol=1e-6
@@ -514,3 +531,71 @@ def test_docstring_examples_run(obj):
     assert blocks
     for block in blocks:
         exec(textwrap.dedent(block), {})
+
+
+def test_stale_priority_updates_are_dropped_and_counted():
+    # Sample slots 0..3 of a full replay of 4, then add 2 items (slots 0 and 1 rewritten, new
+    # items at priority 5): a delayed update of the sample must leave slots 0 and 1 alone.
+    replay = dx.PrioritisedReplay({"x": jnp.zeros(())}, 4, 1.0)
+    replay = replay.add_batch({"x": jnp.arange(4.0)}, _f32([1.0, 1.0, 1.0, 1.0]))
+    indices = np.arange(4, dtype=np.int32)
+    stamps = replay.generations[indices]
+    replay = replay.add_batch({"x": jnp.asarray([10.0, 11.0])}, _f32([5.0, 5.0]))
+    update = _f32([0.25, 0.5, 2.0, 3.0])
+    stale = replay.stale(indices, stamps)
+    assert stale.tolist() == [True, True, False, False] and int(jnp.sum(stale)) == 2
+    kept = replay.set_priorities(indices, update, stamps=stamps)
+    assert kept.tree.leaves.tolist() == [5.0, 5.0, 2.0, 3.0]
+    # Without stamps the update would hit the new items: what the stamps prevent.
+    assert replay.set_priorities(indices, update).tree.leaves.tolist() == update.tolist()
+    # A batch that writes a slot twice counts once; a masked-out item writes nothing.
+    gens = replay.add_batch({"x": jnp.arange(6.0)}, mask=np.asarray([1, 1, 1, 1, 1, 0], bool))
+    assert (gens.generations - replay.generations).tolist() == [1, 1, 1, 1]
+    # Stale entries are still checked.
+    with pytest.raises(RuntimeError, match="priorities must be finite"):
+        replay.set_priorities(indices, _f32([np.nan, 1, 1, 1]), stamps=stamps)
+    with pytest.raises(RuntimeError, match="index out of range"):
+        replay.set_priorities(np.asarray([4], np.int32), _f32([1.0]), stamps=stamps[:1])
+    with pytest.raises(RuntimeError, match="index out of range"):
+        replay.stale(np.asarray([4], np.int32), stamps[:1])
+
+
+def test_stamps_must_be_what_sample_returned():
+    replay = dx.PrioritisedReplay({"x": jnp.zeros(())}, 4).add({"x": jnp.ones(())})
+    s = replay.sample(jax.random.key(0), 3)
+    assert s.stamps.dtype == jnp.uint32 and s.stamps.tolist() == [1, 1, 1]
+    for bad, error, match in [
+        (np.asarray(s.stamps, np.int32), TypeError, "dtype int32, expected uint32"),
+        (s.stamps[:2], ValueError, r"shape \(2,\), expected \(3,\)"),
+        ([1, 1, 1], TypeError, "must be the uint32 array a sample returned"),
+    ]:
+        for call in (
+            lambda: replay.set_priorities(s.indices, _f32([1, 1, 1]), stamps=bad),
+            lambda: replay.stale(s.indices, bad),
+        ):
+            with pytest.raises((error, Exception), match=f"{match}|parameter 'stamps'"):
+                call()
+
+
+def test_sequence_priorities_match_a_loop():
+    rng = np.random.default_rng(5)
+    td = rng.standard_normal((64, 7)).astype(np.float32) * 3
+    mask = rng.random((64, 7)) < 0.6
+    mask[0] = False  # a row with nothing to learn from
+    for eta in [0.0, 0.9, 1.0]:
+        got = np.asarray(jax.jit(dx.sequence_priorities, static_argnums=2)(td, mask, eta))
+        want = [
+            eta * np.abs(row[m]).max() + (1 - eta) * np.abs(row[m]).mean() if m.any() else 0.0
+            for row, m in zip(td, mask)
+        ]
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+        assert got.dtype == np.float32
+    td_f, mask_b = jnp.zeros((2, 3)), jnp.ones((2, 3), bool)
+    with pytest.raises(Exception, match=r"eta=...\)` must be in \[0, 1\]|parameter 'eta'"):
+        dx.sequence_priorities(td_f, mask_b, 1.5)
+    with pytest.raises(Exception, match="must both have shape|jaxtyping"):
+        dx.sequence_priorities(td_f, mask_b[:, :2])
+    with pytest.raises(Exception, match="must be a bool array|parameter 'mask'"):
+        dx.sequence_priorities(td_f, jnp.ones((2, 3)))
+    with pytest.raises(Exception, match="must have a floating dtype|parameter 'td_errors'"):
+        dx.sequence_priorities(jnp.zeros((2, 3), jnp.int32), mask_b)
