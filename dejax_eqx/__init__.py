@@ -14,6 +14,10 @@ from ._prioritised import (
     PrioritisedSample as PrioritisedSample,
     sequence_priorities as sequence_priorities,
 )
+from ._prioritised_trajectory import (
+    PrioritisedSequenceSample as PrioritisedSequenceSample,
+    PrioritisedTrajectoryBuffer as PrioritisedTrajectoryBuffer,
+)
 from ._storage import CircularBuffer as CircularBuffer
 from ._sum_tree import SumTree as SumTree
 from ._trajectory import (

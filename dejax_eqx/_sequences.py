@@ -160,12 +160,19 @@ def _table(
     return _Table(full, full_back, tail_first, tail, log_g, log_env)
 
 
+def count_starts(
+    lengths: Int[Array, " num_envs"], phase: Int[Array, " num_envs"], law: Law
+) -> Int[Array, " num_envs"]:
+    """The number of admissible starts of each env (exact integer arithmetic)."""
+    t = _table(lengths, phase, law, jnp.zeros((), jnp.float32))
+    return t.full + t.tail
+
+
 def admissible(
     lengths: Int[Array, " num_envs"], phase: Int[Array, " num_envs"], law: Law
 ) -> Bool[Array, " num_envs"]:
     """Whether each env has at least one admissible start (exact integer arithmetic)."""
-    t = _table(lengths, phase, law, jnp.zeros((), jnp.float32))
-    return (t.full > 0) | (t.tail > 0)
+    return count_starts(lengths, phase, law) > 0
 
 
 def env_log_weights(

@@ -832,6 +832,19 @@ class TrajectoryBuffer(eqx.Module):
         law = windows.law
         lengths = self.lengths(source)
         env, back, remaining = draw_starts(key, lengths, self._phase(law), batch_size, law, power)
+        return self._gather(env, back, remaining, windows)
+
+    def _gather(
+        self,
+        env: Int[Array, " batch"],
+        back: Int[Array, " batch"],
+        remaining: Int[Array, " batch"],
+        windows: _Windows,
+    ) -> SequenceSample:
+        """The windows whose starts are the `back`-th newest steps (`back` in `[0,
+        max_length]`) of envs `env`, holding `remaining` real steps, cut by the episode-end
+        policy. No checks: every index must be in range."""
+        law = windows.law
         m = self.max_length
         # The start is the back-th newest step; back is in [0, m], so every term stays in
         # [0, m].

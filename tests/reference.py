@@ -438,3 +438,68 @@ def ref_importance_weights(probabilities, size: int, beta: float) -> np.ndarray:
     """`(N P)^-beta / max (N P)^-beta`, literally, in float64."""
     w = (size * np.asarray(probabilities, np.float64)) ** -beta
     return w / w.max()
+
+
+class StampError(Exception):
+    """The model's counterpart of a "stamp this buffer cannot have given" runtime error."""
+
+
+class RefPrioritisedTrajectory:
+    """Prioritised windows of per-env streams: the windows of `size` steps that start on a
+    multiple of `period` and lie wholly in the stored stream, each with a priority. A window
+    that becomes admissible takes the largest priority recorded so far; one whose first step
+    is dropped leaves. P(window) = p ** alpha / sum of all."""
+
+    def __init__(self, num_envs: int, max_length: int, size: int, period: int, alpha: float):
+        self.streams = RefTrajectoryBuffer(num_envs, max_length)
+        # `size` is the window length W.
+        self.size, self.period, self.alpha = size, period, alpha
+        self.priorities: dict = {}
+        self.max_priority = 1.0
+
+    def admissible(self) -> list:
+        out = []
+        for env in range(self.streams.num_envs):
+            count, stored = self.streams.count[env], len(self.streams.streams[env])
+            out += [
+                (env, s)
+                for s in range(count - stored, count - self.size + 1)
+                if s % self.period == 0
+            ]
+        return out
+
+    def add(self, items: list, env_ids: list[int]) -> None:
+        self.streams.add(items, env_ids)
+        now = self.admissible()
+        self.priorities = {w: self.priorities.get(w, self.max_priority) for w in now}
+
+    def check_stamps(self, env_ids, starts) -> None:
+        for env, start in zip(env_ids, starts):
+            ok = 0 <= env < self.streams.num_envs and start >= 0
+            ok = ok and start % self.period == 0 and start + self.size <= self.streams.count[env]
+            if not ok:
+                raise StampError((env, start))
+
+    def stale(self, env_ids, starts) -> list[bool]:
+        self.check_stamps(env_ids, starts)
+        return [(e, s) not in self.priorities for e, s in zip(env_ids, starts)]
+
+    def set_priorities(self, env_ids, starts, priorities) -> None:
+        self.check_stamps(env_ids, starts)
+        _check_values(priorities)
+        self.max_priority = max([self.max_priority, *map(float, priorities)])
+        for env, start, p in zip(env_ids, starts, priorities):
+            if (env, start) in self.priorities:
+                self.priorities[(env, start)] = float(p)
+
+    def mass(self, window) -> float:
+        p = self.priorities[window]
+        return 0.0 if p == 0 else p**self.alpha
+
+    def probabilities(self) -> dict:
+        if not self.priorities:
+            raise EmptyBufferError
+        total = sum(self.mass(w) for w in self.priorities)
+        if total == 0:
+            raise AllZeroError
+        return {w: self.mass(w) / total for w in self.priorities}

@@ -349,6 +349,31 @@ def _trajectory(spec, capacity):
     return dx.TrajectoryBuffer(spec, NUM_ENVS, capacity)
 
 
+# PrioritisedTrajectoryBuffer: windows of 2 steps on a period of 2. After the fill, envs 0 and
+# 2 hold steps 0 and 1 (one window each, starting at 0), env 1 step 0.
+def _prioritised_trajectory(spec, capacity):
+    return dx.PrioritisedTrajectoryBuffer(spec, NUM_ENVS, capacity, 1, burn_in=1, period=2)
+
+
+def _window_stamps(seed: int):
+    return np.asarray([0, 2, 0], np.int32), np.zeros(BATCH, np.int32)
+
+
+_PRIORITISED_TRAJECTORY = {
+    "add": _TRAJECTORY["add"],
+    "add(all envs)": _TRAJECTORY["add(all envs)"],
+    "sample": _query(
+        lambda b, a: b.sample(a[0], BATCH, beta=a[1]), lambda s: (_key(s), np.float32(0.5))
+    ),
+    "set_priorities": _new(
+        lambda b, a: (b.set_priorities(a[0], a[1], a[2]), None),
+        lambda s: (*_window_stamps(s), _priorities(s)),
+    ),
+    "stale": _query(lambda b, a: b.stale(*a), _window_stamps),
+    "num_windows": _query(lambda b, a: b.num_windows, _none),
+}
+
+
 # ---------------------------------------------------------------------------------------------
 # Random steps for the save/load round trips: any item spec, arbitrary bit patterns.
 
@@ -485,6 +510,15 @@ BUFFER_TYPES = [
         _trajectory_fill,
         _TRAJECTORY,
         {"item_spec": _STATIC},
+        _trajectory_step,
+    ),
+    BufferType(
+        "PrioritisedTrajectoryBuffer",
+        dx.PrioritisedTrajectoryBuffer,
+        _prioritised_trajectory,
+        _trajectory_fill,
+        _PRIORITISED_TRAJECTORY,
+        {"item_spec": _STATIC, "window": _STATIC, "slots_per_env": _STATIC},
         _trajectory_step,
     ),
 ]

@@ -1,0 +1,378 @@
+"""Prioritised replay of windows of per-env streams: one sum-tree leaf per period-aligned
+start."""
+
+from typing import NamedTuple, TypeVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, Integer, PRNGKeyArray, PyTree, Real
+
+from ._checks import (
+    check_bool,
+    check_faults,
+    check_float_dtype,
+    check_index,
+    check_nonnegative_float,
+    check_positive_int,
+    check_real_scalar,
+    check_vector,
+    INT32_MAX,
+    Prototype,
+)
+from ._prioritised import importance_weights
+from ._sequences import count_starts, Law
+from ._sum_tree import find_leaves, MAX_CAPACITY, set_leaves, SumTree
+from ._trajectory import (
+    EpisodeEnds,
+    LeafName,
+    SequenceSample,
+    TrajectoryBuffer,
+)
+
+
+_PT = TypeVar("_PT", bound="PrioritisedTrajectoryBuffer")
+
+
+class PrioritisedSequenceSample(NamedTuple):
+    """What `PrioritisedTrajectoryBuffer.sample` returns.
+
+    **Fields:**
+
+    - `sample`: the windows, a `SequenceSample` `(items, mask, learn, env, start)`;
+        `(sample.env, sample.start)` are the stamps `set_priorities` takes back.
+    - `indices`: int32 `(batch,)`, each window's leaf in the sum tree (`env * slots_per_env +
+        (start // period) % slots_per_env`).
+    - `probabilities`: `(batch,)`, the probability of drawing each window in one i.i.d. draw.
+    - `weights`: `(batch,)`, the importance weights for the `beta` of the call
+        (`importance_weights(probabilities, num_windows, beta)`), at most 1.
+    """
+
+    sample: SequenceSample
+    indices: Int[Array, " batch"]
+    probabilities: Float[Array, " batch"]
+    weights: Float[Array, " batch"]
+
+
+class PrioritisedTrajectoryBuffer(eqx.Module):
+    """Per-env streams whose windows are replayed by priority (R2D2, Ape-X with sequences,
+    MuZero).
+
+    A `TrajectoryBuffer` underneath keeps each env's last `max_length` steps, added
+    asynchronously (`env_ids`) or in lock-step. The items are the windows of
+    `W = burn_in + sequence_length + bootstrap` steps that start on a multiple of `period`
+    in their env's absolute step count and lie wholly in the stored stream:
+
+    - a window *becomes admissible* when its last step is added, and then gets the largest
+        priority recorded so far (`max_priority`, at least 1);
+    - a window *leaves* when its first step is overwritten: its priority is 0 from that add
+        on, exactly, whatever subset of envs each add touches;
+    - `sample` draws windows with probability `P ∝ p ** priority_exponent` (i.i.d. or
+        stratified), returns them with their sum-tree indices, probabilities and importance
+        weights, and `(env, start)` stamps;
+    - `set_priorities(env_ids, starts, priorities)` takes the stamps back and drops the
+        entries whose window has left since it was sampled, so a delayed update never lands
+        on a newer window; `stale` says which.
+
+    The sum tree has one leaf per `(env, start // period mod max_length / period)`:
+    `period` must divide `max_length`. Its nodes are always recomputed from their children
+    (no accumulated deltas), and a leaf of priority 0 is never drawn.
+
+    `PrioritisedTrajectoryBuffer` is final: it is not meant to be subclassed.
+    """
+
+    trajectories: TrajectoryBuffer
+    tree: SumTree
+    max_priority: Float[Array, ""]
+    sequence_length: int = eqx.field(static=True)
+    burn_in: int = eqx.field(static=True)
+    bootstrap: int = eqx.field(static=True)
+    period: int = eqx.field(static=True)
+    priority_exponent: float = eqx.field(static=True)
+    stratified: bool = eqx.field(static=True)
+
+    def __init__(
+        self,
+        prototype: Prototype,
+        num_envs: int,
+        max_length: int,
+        sequence_length: int,
+        *,
+        burn_in: int = 0,
+        bootstrap: int = 0,
+        period: int = 1,
+        priority_exponent: float = 0.6,
+        stratified: bool = False,
+        dtype=jnp.float32,
+    ):
+        """**Arguments:**
+
+        - `prototype`, `num_envs`, `max_length`: as for `TrajectoryBuffer`.
+        - `sequence_length`, `burn_in`, `bootstrap`: the window, as for
+            `TrajectoryBuffer.sample` (`W` at most `max_length`).
+        - `period`: a positive int that divides `max_length` (default 1).
+        - `priority_exponent`: `α >= 0` (default 0.6).
+        - `stratified`: draw one window from each of `batch_size` equal slices of the total
+            mass (default `False`: i.i.d. draws).
+        - `dtype`: the float dtype of the priority sums (`jnp.float32` by default).
+        """
+        call = "PrioritisedTrajectoryBuffer"
+        self.trajectories = TrajectoryBuffer(prototype, num_envs, max_length)
+        windows = self.trajectories._windows(
+            call, sequence_length, burn_in, bootstrap, period, True, "cross", None
+        )
+        self.sequence_length, self.burn_in = windows.length, windows.burn_in
+        self.bootstrap, self.period = bootstrap, windows.law.period
+        if max_length % self.period:
+            raise ValueError(
+                f"`{call}(period=...)` must divide max_length = {max_length}, got "
+                f"{self.period}: each env has max_length / period window slots."
+            )
+        capacity = num_envs * (max_length // self.period)
+        if capacity > MAX_CAPACITY:
+            raise ValueError(
+                f"`{call}`: num_envs * max_length / period = {capacity} windows, more than the "
+                f"sum tree's {MAX_CAPACITY}."
+            )
+        self.priority_exponent = check_nonnegative_float(
+            priority_exponent, f"{call}(priority_exponent=...)"
+        )
+        self.stratified = check_bool(stratified, f"{call}(stratified=...)")
+        dtype = check_float_dtype(dtype, f"{call}(dtype=...)")
+        self.tree = SumTree(capacity, dtype)
+        self.max_priority = jnp.asarray(1.0, dtype)
+
+    @property
+    def item_spec(self) -> PyTree[jax.ShapeDtypeStruct]:
+        """The structure, shape and dtype of one step, as `jax.ShapeDtypeStruct` leaves."""
+        return self.trajectories.item_spec
+
+    @property
+    def window(self) -> int:
+        """`W = burn_in + sequence_length + bootstrap`, the steps of a window."""
+        return self.burn_in + self.sequence_length + self.bootstrap
+
+    @property
+    def slots_per_env(self) -> int:
+        """`max_length / period`: the sum-tree leaves of one env."""
+        return self.trajectories.max_length // self.period
+
+    @property
+    def num_windows(self) -> Int[Array, ""]:
+        """The number of admissible windows (those of positive or zero priority that may be
+        drawn once their priority is positive), an int32 scalar."""
+        return jnp.sum(self._starts_per_env(), dtype=jnp.int32)
+
+    def _starts_per_env(self) -> Int[Array, " num_envs"]:
+        t = self.trajectories
+        law = Law(self.window, self.period, strict=True)
+        return count_starts(t.replay_length, t.step_count % self.period, law)
+
+    def _leaf(self, env: Int[Array, "*n"], start: Int[Array, "*n"]) -> Int[Array, "*n"]:
+        k = self.slots_per_env
+        return env * k + (start // self.period) % k
+
+    def add(
+        self: _PT, items: PyTree[ArrayLike], env_ids: Integer[ArrayLike, " n"] | None = None
+    ) -> _PT:
+        """Append one step to the stream of each listed env (as `TrajectoryBuffer.add`).
+
+        For each listed env, the window whose first step this add overwrites leaves (priority
+        0), and the window whose last step this add writes becomes admissible (priority
+        `max_priority`), when they start on a multiple of `period`.
+
+        **Raises:** as `TrajectoryBuffer.add`.
+        """
+        trajectories = self.trajectories.add(items, env_ids)
+        n = trajectories.num_envs
+        if env_ids is None:
+            rows = jnp.arange(n, dtype=jnp.int32)
+            valid = jnp.ones(n, jnp.bool_)
+        else:
+            # Checked by the add above (a fault raises there); here only kept in bounds.
+            rows, bad = check_index(env_ids, n, "PrioritisedTrajectoryBuffer.add(env_ids=...)")
+            if rows.shape[0] == 0:
+                return self
+            valid = ~bad
+            rows = jnp.where(bad, 0, rows)
+        count = trajectories.step_count[rows]  # after the add: the new step is count - 1
+        m, w, p = trajectories.max_length, self.window, self.period
+        gone = count - 1 - m  # the start whose first step was just overwritten
+        new = count - w  # the start whose last step was just written
+        mass = self._mass(self.max_priority)
+        tree = set_leaves(
+            self.tree,
+            self._leaf(rows, jnp.maximum(gone, 0)),
+            jnp.zeros(rows.shape, mass.dtype),
+            mask=valid & (gone >= 0) & (gone % p == 0),
+            unique=True,
+        )
+        tree = set_leaves(
+            tree,
+            self._leaf(rows, jnp.maximum(new, 0)),
+            jnp.broadcast_to(mass, rows.shape),
+            mask=valid & (new >= 0) & (new % p == 0),
+            unique=True,
+        )
+        return eqx.tree_at(lambda b: (b.trajectories, b.tree), self, (trajectories, tree))
+
+    def sample(
+        self,
+        key: PRNGKeyArray,
+        batch_size: int,
+        *,
+        beta: Real[ArrayLike, ""] = 1.0,
+        episode_ends: EpisodeEnds = "cross",
+        done: LeafName | tuple[LeafName, ...] | None = None,
+    ) -> PrioritisedSequenceSample:
+        """Draw `batch_size` windows with probabilities `P ∝ p ** priority_exponent`, with
+        replacement.
+
+        **Arguments:**
+
+        - `key`: a JAX PRNG key.
+        - `batch_size`: a positive Python int (static).
+        - `beta`: the importance-weight exponent `β >= 0` (default 1; may be traced).
+        - `episode_ends`, `done`: how windows are cut at episode ends, as for
+            `TrajectoryBuffer.sample` (they change masks, not which windows are drawn).
+
+        **Returns:** a `PrioritisedSequenceSample` `(sample, indices, probabilities, weights)`.
+
+        **Raises:** `ValueError`/`TypeError` at once for bad static arguments; an
+        `eqx.error_if` error if no window is admissible yet, if every admissible window has
+        priority 0, or if the total mass is not finite.
+        """
+        call = "PrioritisedTrajectoryBuffer.sample"
+        batch_size = check_positive_int(batch_size, f"{call}(batch_size=...)")
+        t = self.trajectories
+        windows = t._windows(
+            call,
+            self.sequence_length,
+            self.burn_in,
+            self.bootstrap,
+            self.period,
+            True,
+            episode_ends,
+            done,
+        )
+        beta = check_real_scalar(beta, call, "beta")
+        tree = self.tree
+        total = tree.total
+        dtype = total.dtype
+        u = jax.random.uniform(key, (batch_size,), dtype)
+        if self.stratified:
+            leaves = find_leaves(
+                tree, (jnp.arange(batch_size, dtype=dtype) + u) * (total / batch_size)
+            )
+        else:
+            leaves = find_leaves(tree, u * total)
+        k = self.slots_per_env
+        env, slot = leaves // k, leaves % k
+        # The admissible start in that slot: the latest start s = j * P <= count - W with
+        # j ≡ slot (mod k). Only leaves of positive priority are drawn, so it is stored.
+        count = t.step_count[env]
+        j_max = (count - self.window) // self.period
+        start = (j_max - (j_max - slot) % k) * self.period
+        back = jnp.clip(count - start, 0, t.max_length)
+        sample = t._gather(env, back, jnp.full_like(back, self.window), windows)
+        positive = total > 0
+        mass = jnp.take(tree.nodes, leaves)
+        probabilities = jnp.where(positive, mass / jnp.where(positive, total, 1), 0)
+        num = jnp.maximum(self.num_windows, 1)
+        weights = importance_weights(jnp.where(positive, probabilities, 1), num, beta)
+        out = PrioritisedSequenceSample(sample, leaves, probabilities, weights)
+        return check_faults(
+            out,
+            [
+                (
+                    self.num_windows == 0,
+                    f"`{call}`: no window is admissible yet: no env holds {self.window} "
+                    f"steps from a start on a multiple of period = {self.period}",
+                ),
+                (
+                    (self.num_windows > 0) & (total <= 0),
+                    f"`{call}`: every admissible window has priority 0",
+                ),
+                (~jnp.isfinite(total), f"`{call}`: the total priority mass is not finite"),
+            ],
+        )
+
+    def stale(
+        self, env_ids: Integer[ArrayLike, " n"], starts: Integer[ArrayLike, " n"]
+    ) -> Bool[Array, " n"]:
+        """Which stamps name windows that have left (their first step overwritten) since
+        they were sampled: the entries `set_priorities` drops.
+
+        **Raises:** an `eqx.error_if` error for a stamp this buffer cannot have given (an env
+        id out of range, a start not yet reached, or not on a multiple of `period`).
+        """
+        rows, steps, fault = self._stamps(env_ids, starts, "PrioritisedTrajectoryBuffer.stale")
+        return check_faults(self._gone(rows, steps), [fault])
+
+    def set_priorities(
+        self: _PT,
+        env_ids: Integer[ArrayLike, " n"],
+        starts: Integer[ArrayLike, " n"],
+        priorities: Real[ArrayLike, " n"],
+    ) -> _PT:
+        """Set the priorities of the windows named by the stamps `(env_ids, starts)`, as
+        `sample` returned them (`sample.env`, `sample.start`).
+
+        An entry whose window has left since it was sampled is dropped: its leaf now belongs
+        to a newer window (or to none). `stale` tells which. Of repeated stamps the last
+        wins.
+
+        **Raises:** an `eqx.error_if` error for a bad stamp (as `stale`), or a priority that
+        is negative, infinite or NaN (stale entries are checked too).
+        """
+        call = "PrioritisedTrajectoryBuffer.set_priorities"
+        rows, steps, fault = self._stamps(env_ids, starts, call)
+        priorities = check_vector(priorities, rows.shape[0], call, "priorities").astype(
+            self.max_priority.dtype
+        )
+        keep = ~self._gone(rows, steps) & ~fault[0]
+        max_priority = jnp.maximum(self.max_priority, jnp.max(priorities, initial=0))
+        mass = self._mass(priorities)
+        leaves, mass, max_priority = check_faults(
+            (self._leaf(rows, steps), mass, max_priority),
+            [
+                fault,
+                (
+                    ~(jnp.isfinite(priorities) & (priorities >= 0)),
+                    f"`{call}`: priorities must be finite and non-negative",
+                ),
+            ],
+        )
+        tree = set_leaves(self.tree, leaves, mass, mask=keep)
+        return eqx.tree_at(lambda b: (b.tree, b.max_priority), self, (tree, max_priority))
+
+    def _stamps(self, env_ids, starts, call):
+        t = self.trajectories
+        rows, bad_env = check_index(env_ids, t.num_envs, f"{call}(env_ids=...)", ndim=1)
+        steps, bad_step = check_index(
+            starts, INT32_MAX, f"{call}(starts=...)", ndim=1, length=(rows.shape[0], "env id")
+        )
+        rows = jnp.where(bad_env, 0, rows)
+        steps = jnp.where(bad_step, 0, steps)
+        count = t.step_count[rows]
+        bad = bad_env | bad_step | (steps + self.window > count) | (steps % self.period != 0)
+        return (
+            rows,
+            steps,
+            (
+                bad,
+                f"`{call}`: a stamp this buffer cannot have given: an env id out of range, or "
+                "a start that is negative, not on a multiple of period, or whose window is not "
+                "yet stored",
+            ),
+        )
+
+    def _gone(self, rows: Int[Array, " n"], steps: Int[Array, " n"]) -> Bool[Array, " n"]:
+        t = self.trajectories
+        return steps < t.step_count[rows] - t.replay_length[rows]
+
+    def _mass(self, priorities: Float[Array, "*s"]) -> Float[Array, "*s"]:
+        alpha = self.priority_exponent
+        if alpha == 1.0:
+            return priorities
+        return jnp.where(priorities > 0, priorities**alpha, 0)
