@@ -199,19 +199,22 @@ class PrioritisedTrajectoryBuffer(eqx.Module):
         m, w, p = trajectories.max_length, self.window, self.period
         gone = count - 1 - m  # the start whose first step was just overwritten
         new = count - w  # the start whose last step was just written
+        enter = valid & (new >= 0) & (new % p == 0)
+        leave = valid & (gone >= 0) & (gone % p == 0)
+        enter_leaf = self._leaf(rows, jnp.maximum(new, 0))
+        leave_leaf = self._leaf(rows, jnp.maximum(gone, 0))
+        # One update of the tree for both. The two leaves of a row differ unless W = 1, where
+        # the window that leaves and the one that enters share a slot: then only the entering
+        # one is written. Rows are distinct envs, so every kept leaf is distinct.
+        leave = leave & ~(enter & (leave_leaf == enter_leaf))
         mass = self._mass(self.max_priority)
         tree = set_leaves(
             self.tree,
-            self._leaf(rows, jnp.maximum(gone, 0)),
-            jnp.zeros(rows.shape, mass.dtype),
-            mask=valid & (gone >= 0) & (gone % p == 0),
-            unique=True,
-        )
-        tree = set_leaves(
-            tree,
-            self._leaf(rows, jnp.maximum(new, 0)),
-            jnp.broadcast_to(mass, rows.shape),
-            mask=valid & (new >= 0) & (new % p == 0),
+            jnp.concatenate([leave_leaf, enter_leaf]),
+            jnp.concatenate(
+                [jnp.zeros(rows.shape, mass.dtype), jnp.broadcast_to(mass, rows.shape)]
+            ),
+            mask=jnp.concatenate([leave, enter]),
             unique=True,
         )
         return eqx.tree_at(lambda b: (b.trajectories, b.tree), self, (trajectories, tree))

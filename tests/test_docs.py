@@ -516,10 +516,11 @@ def _exercise_every_fault_site() -> None:
             dx.PrioritisedReplay(item, 4), 2, lambda x: (x["reward"] > 0).astype(jnp.int32)
         ),
         dx.TrajectoryBuffer(item, num_envs=2, max_length=4),
+        dx.PrioritisedTrajectoryBuffer(item, num_envs=2, max_length=4, sequence_length=1),
     )
 
     def run(buffers, key):
-        ring, uniform, tree, prioritised, clustered, trajectories = buffers
+        ring, uniform, tree, prioritised, clustered, trajectories, windowed = buffers
         batch = jax.tree.map(lambda x: jnp.stack([x, x]), item)
         slots, ones = jnp.array([0, 1], jnp.int32), jnp.ones(2)
         ring = ring.push_batch(batch)
@@ -542,6 +543,10 @@ def _exercise_every_fault_site() -> None:
         trajectories.sample_mixed(key, 1, 1, 1, period=2, episode_ends="within", done="done")
         trajectories.sample_transitions(key, 2, 1, discount=0.9, reward="reward", terminated="done")
         trajectories.overwritten(slots, slots)
+        windows = windowed.add(batch)
+        windows.sample(key, 2)
+        windows.set_priorities(slots, slots, ones)
+        windows.stale(slots, slots)
 
     eqx.filter_eval_shape(run, buffers, jax.random.key(0))
 
