@@ -139,8 +139,8 @@ def plan(quick: bool) -> list[tuple[str, str, int, int, int]]:
             )
         ],
         *[("W7", s, m, 200, r) for m in (1024, 4096, 16384) for s in _W7_SYSTEMS],
-        *[("W8", s, 2_000_000, 1000, r) for s in _W8_ADDS],
-        *[("W8", s, 1_000_000, 200, r) for s in _W8_LEARN],
+        *[("W8", s, 2_000_000, 5000, r) for s in _W8_ADDS],
+        *[("W8", s, 1_000_000, 1000, r) for s in _W8_LEARN],
     ]
 
 
