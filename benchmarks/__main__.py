@@ -26,6 +26,7 @@ f32[128], "action": i32[], "reward": f32[], "done": bool[]}` unless a workload s
 | W5 | sample 64 windows of 32 steps from 64 streams of 1k/4k/16k steps (trajectory) | µs/sample |
 | W6 | PrioritisedReplay 1M: sample 256 + set_priorities 256 per step (prioritised) | steps/s |
 | W7 | sample 64 windows of 125 steps per option, 16 streams of 1k/4k/16k (sequences) | µs/sample |
+| W8 | 16 streams: add 1 or 2 steps, 2M; sample 64 x 80 + set priorities, 1M (sequences) | steps/s |
 """
 
 import argparse
@@ -33,7 +34,7 @@ import json
 import time
 from pathlib import Path
 
-from . import _harness as h, prioritised, sequences, trajectory, uniform
+from . import _harness as h, prioritised, prioritised_sequences, sequences, trajectory, uniform
 
 
 WORKLOADS = {
@@ -44,6 +45,7 @@ WORKLOADS = {
     "W5": trajectory.w5,
     "W6": prioritised.w6,
     "W7": sequences.w7,
+    "W8": prioritised_sequences.w8,
 }
 
 
@@ -71,6 +73,16 @@ _W7_SYSTEMS = (
 _W7_QUICK = ("dejax_eqx R2D2 within", "raw", "dejax_eqx, transitions n=5", "raw, transitions n=5")
 
 
+# W8: adds of 1 and of 2 steps per call (flashbax issue #62), then the learner's step. The quick
+# plan keeps 2 steps per call (it runs the code of 1 as well) and the i.i.d. learner.
+_W8_ADDS = tuple(f"{s}, add {k}" for k in (1, 2) for s in ("dejax_eqx", "flashbax", "raw"))
+_W8_LEARN = tuple(f"{s}, learn" for s in ("dejax_eqx", "dejax_eqx stratified", "flashbax", "raw"))
+_W8_QUICK = (
+    *(f"{s}, add 2" for s in ("dejax_eqx", "flashbax", "raw")),
+    *(f"{s}, learn" for s in ("dejax_eqx", "flashbax", "raw")),
+)
+
+
 def plan(quick: bool) -> list[tuple[str, str, int, int, int]]:
     """`(workload, system, size, steps, repeats)` of every measurement, in table order."""
     if quick:  # every code path, tiny sizes, one timed repeat: a smoke test, not a measurement
@@ -95,6 +107,7 @@ def plan(quick: bool) -> list[tuple[str, str, int, int, int]]:
                 for s in ("dejax_eqx", "dejax_eqx stratified", "flashbax", "raw")
             ],
             *[("W7", s, 256, 5, 1) for s in _W7_QUICK],
+            *[("W8", s, 16 * 128, 5, 1) for s in _W8_QUICK],
         ]
     r = 5
     return [
@@ -126,6 +139,8 @@ def plan(quick: bool) -> list[tuple[str, str, int, int, int]]:
             )
         ],
         *[("W7", s, m, 200, r) for m in (1024, 4096, 16384) for s in _W7_SYSTEMS],
+        *[("W8", s, 2_000_000, 5000, r) for s in _W8_ADDS],
+        *[("W8", s, 1_000_000, 1000, r) for s in _W8_LEARN],
     ]
 
 
