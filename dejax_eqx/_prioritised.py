@@ -39,7 +39,7 @@ from ._checks import (
     Prototype,
 )
 from ._storage import apply, check_batch, CircularBuffer, gather_slots, write, write_batch
-from ._sum_tree import find_leaves, MAX_CAPACITY, set_leaves, SumTree
+from ._sum_tree import draw_leaves, MAX_CAPACITY, priority_mass, set_leaves, SumTree
 
 
 _P = TypeVar("_P", bound="PrioritisedReplay")
@@ -334,29 +334,7 @@ class PrioritisedReplay(AbstractPrioritisedReplay):
         )
 
     def sample_unchecked(self, key: PRNGKeyArray, batch_size: int) -> PrioritisedSample:
-        tree = self.tree
-        total = tree.total
-        dtype = total.dtype
-        uniform = jax.random.uniform(key, (batch_size,), dtype)
-        if self.stratified:
-            start = jnp.arange(batch_size, dtype=dtype)
-            slots = find_leaves(tree, (start + uniform) * (total / batch_size))
-        else:
-            # The descent is bound by cache misses in a large tree. Sorted targets visit the
-            # nodes in order, and neighbouring draws share the upper levels' cache lines (as
-            # stratified draws do): find them sorted, then put each slot back in its row.
-            # Each row's slot is exactly what an unsorted find gives it; rows stay independent.
-            targets = uniform * total
-            order = jnp.argsort(targets)
-            slots = (
-                jnp.zeros(batch_size, jnp.int32)
-                .at[order]
-                .set(find_leaves(tree, targets[order]), unique_indices=True)
-            )
-        positive = total > 0
-        # No NaN even on an empty replay (wrappers draw from those too, then discard the rows).
-        leaf = jnp.take(tree.nodes, slots)  # `slots` are leaves: in [0, max_size)
-        probabilities = jnp.where(positive, leaf / jnp.where(positive, total, 1), 0)
+        slots, probabilities = draw_leaves(self.tree, key, batch_size, self.stratified)
         return PrioritisedSample(
             gather_slots(self.storage, slots), slots, probabilities, self.generations[slots]
         )
@@ -367,11 +345,7 @@ class PrioritisedReplay(AbstractPrioritisedReplay):
         return eqx.tree_at(lambda r: r.storage, self, apply(self.storage, fn))
 
     def _mass(self, priorities: Float[Array, "*s"]) -> Float[Array, "*s"]:
-        """`p ** α`, with zero priority mapped to zero mass for every `α` (also `α = 0`)."""
-        alpha = self.priority_exponent
-        if alpha == 1.0:
-            return priorities
-        return jnp.where(priorities > 0, priorities**alpha, 0)
+        return priority_mass(priorities, self.priority_exponent)
 
     def _with_priorities(
         self: _P,

@@ -22,7 +22,7 @@ from ._checks import (
 )
 from ._prioritised import importance_weights
 from ._sequences import count_starts, Law
-from ._sum_tree import find_leaves, MAX_CAPACITY, set_leaves, SumTree
+from ._sum_tree import draw_leaves, MAX_CAPACITY, priority_mass, set_leaves, SumTree
 from ._trajectory import (
     EpisodeEnds,
     LeafName,
@@ -261,14 +261,7 @@ class PrioritisedTrajectoryBuffer(eqx.Module):
         beta = check_real_scalar(beta, call, "beta")
         tree = self.tree
         total = tree.total
-        dtype = total.dtype
-        u = jax.random.uniform(key, (batch_size,), dtype)
-        if self.stratified:
-            leaves = find_leaves(
-                tree, (jnp.arange(batch_size, dtype=dtype) + u) * (total / batch_size)
-            )
-        else:
-            leaves = find_leaves(tree, u * total)
+        leaves, probabilities = draw_leaves(tree, key, batch_size, self.stratified)
         k = self.slots_per_env
         env, slot = leaves // k, leaves % k
         # The admissible start in that slot: the latest start s = j * P <= count - W with
@@ -278,11 +271,9 @@ class PrioritisedTrajectoryBuffer(eqx.Module):
         start = (j_max - (j_max - slot) % k) * self.period
         back = jnp.clip(count - start, 0, t.max_length)
         sample = t._gather(env, back, jnp.full_like(back, self.window), windows)
-        positive = total > 0
-        mass = jnp.take(tree.nodes, leaves)
-        probabilities = jnp.where(positive, mass / jnp.where(positive, total, 1), 0)
         num = jnp.maximum(self.num_windows, 1)
-        weights = importance_weights(jnp.where(positive, probabilities, 1), num, beta)
+        # Probabilities are 0 only on an all-zero tree, which the checks below report.
+        weights = importance_weights(jnp.where(total > 0, probabilities, 1), num, beta)
         out = PrioritisedSequenceSample(sample, leaves, probabilities, weights)
         return check_faults(
             out,
@@ -375,7 +366,4 @@ class PrioritisedTrajectoryBuffer(eqx.Module):
         return steps < t.step_count[rows] - t.replay_length[rows]
 
     def _mass(self, priorities: Float[Array, "*s"]) -> Float[Array, "*s"]:
-        alpha = self.priority_exponent
-        if alpha == 1.0:
-            return priorities
-        return jnp.where(priorities > 0, priorities**alpha, 0)
+        return priority_mass(priorities, self.priority_exponent)

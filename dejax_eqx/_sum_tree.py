@@ -295,3 +295,43 @@ def find_leaves(tree: SumTree, values: Float[Array, " n"]) -> Int[Array, " n"]:
     node, _ = jax.lax.fori_loop(0, top, descend, (zero.astype(jnp.int32), values + zero))
     # Only an all-zero tree can end on padding past the last leaf.
     return jnp.minimum(node, tree.capacity - 1)
+
+
+def draw_leaves(
+    tree: SumTree, key: Array, batch_size: int, stratified: bool
+) -> tuple[Int[Array, " batch"], Float[Array, " batch"]]:
+    """`batch_size` leaves drawn in proportion to their values, and the probability of each in
+    one i.i.d. draw. No checks: on a tree whose total is 0 the leaves are meaningless (in
+    range) and the probabilities 0.
+
+    `stratified`: one draw from each of `batch_size` equal slices of the total, else i.i.d.
+    """
+    total = tree.total
+    dtype = total.dtype
+    uniform = jax.random.uniform(key, (batch_size,), dtype)
+    if stratified:
+        start = jnp.arange(batch_size, dtype=dtype)
+        leaves = find_leaves(tree, (start + uniform) * (total / batch_size))
+    else:
+        # The descent is bound by cache misses in a large tree. Sorted targets visit the
+        # nodes in order, and neighbouring draws share the upper levels' cache lines (as
+        # stratified draws do): find them sorted, then put each leaf back in its row.
+        # Each row's leaf is exactly what an unsorted find gives it; rows stay independent.
+        targets = uniform * total
+        order = jnp.argsort(targets)
+        leaves = (
+            jnp.zeros(batch_size, jnp.int32)
+            .at[order]
+            .set(find_leaves(tree, targets[order]), unique_indices=True)
+        )
+    positive = total > 0
+    # No NaN even on an all-zero tree (wrappers draw from those too, then discard the rows).
+    value = jnp.take(tree.nodes, leaves)  # leaves are in [0, capacity): the first nodes
+    return leaves, jnp.where(positive, value / jnp.where(positive, total, 1), 0)
+
+
+def priority_mass(priorities: Float[Array, "*s"], alpha: float) -> Float[Array, "*s"]:
+    """`p ** α`, with zero priority mapped to zero mass for every `α` (also `α = 0`)."""
+    if alpha == 1.0:
+        return priorities
+    return jnp.where(priorities > 0, priorities**alpha, 0)
