@@ -166,7 +166,7 @@ class PrioritisedTrajectoryBuffer(eqx.Module):
     def _starts_per_env(self) -> Int[Array, " num_envs"]:
         t = self.trajectories
         law = Law(self.window, self.period, strict=True)
-        return count_starts(t.replay_length, t.step_count % self.period, law)
+        return count_starts(t.replay_length, t._phase(law), law)
 
     def _leaf(self, env: Int[Array, "*n"], start: Int[Array, "*n"]) -> Int[Array, "*n"]:
         k = self.slots_per_env
