@@ -27,6 +27,15 @@ _BRANCHING = 8
 # Node ids must fit int32: 2**30 leaves need fewer than 1.25 * 2**30 nodes.
 MAX_CAPACITY = 2**30
 
+# XLA's CPU compiler splits a fused loop across threads once it estimates that the loop reads
+# 512 KiB or more, and a gather counts its whole operand however few values it reads. A tree
+# operation reads a few rows per level, so the hand-off between threads would cost far more than
+# the reads (about 2 µs per level on 2 cores, against 0.1 µs). Every gather therefore reads a
+# static slice of the nodes: each level that is large on its own through a slice of just that
+# level (those levels are unrolled), and all the levels above them, which together stay under
+# this size, through one slice shared by a loop over those levels. See `dejax_eqx/README.md`.
+_SMALL_BYTES = 256 << 10
+
 
 @functools.cache
 def _layout(capacity: int) -> tuple[tuple[int, ...], int]:
@@ -43,6 +52,17 @@ def _layout(capacity: int) -> tuple[tuple[int, ...], int]:
     sizes = [k * c for c in counts[1:]] + [1]
     offsets = tuple(int(o) for o in np.cumsum([0, *sizes[:-1]]))
     return offsets, sum(sizes)
+
+
+@functools.cache
+def _split(capacity: int, itemsize: int) -> int:
+    """The lowest level from which on all the nodes, up to the root, fit in `_SMALL_BYTES`."""
+    offsets, num_nodes = _layout(capacity)
+    return next(
+        level
+        for level, offset in enumerate(offsets)
+        if (num_nodes - offset) * itemsize < _SMALL_BYTES or level == len(offsets) - 1
+    )
 
 
 def _exact_positions(dtype: Any) -> int:
@@ -184,7 +204,7 @@ class SumTree(eqx.Module):
         **Returns:** int32 leaf indices of shape `(n,)`, in `[0, capacity)`.
         """
         values = check_vector(values, None, "SumTree.find", "values")
-        return find_leaves(self, values.astype(self.nodes.dtype))
+        return find_leaves(self, values.astype(self.nodes.dtype))[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,59 +262,94 @@ def set_leaves(
     # Recompute each ancestor from its children, level by level. An ancestor reached by
     # several entries is written several times with the same value, so the order of those
     # writes does not matter; dropped entries recompute some ancestor, which is harmless.
-    # A loop over the levels rather than unrolled levels: a smaller program, and faster on
-    # CPU when measured (see `dejax_eqx/README.md`).
-    level_offsets = jnp.asarray(offsets, jnp.int32)
-
-    def level(lvl, carry):
-        nodes, node = carry
+    top = len(offsets) - 1
+    split = _split(cap, tree.nodes.dtype.itemsize)
+    node = jnp.clip(indices, 0, cap - 1)
+    # Levels whose children are on a large level: unrolled, each reading only that level.
+    for lvl in range(1, split + 1):
         node = node // k
-        sums = jnp.sum(_rows(nodes, level_offsets[lvl - 1] + k * node), axis=1)
-        nodes = nodes.at[level_offsets[lvl] + node].set(sums, mode="promise_in_bounds")
-        return nodes, node
+        below = nodes[offsets[lvl - 1] : offsets[lvl]]
+        sums = jnp.sum(_rows(below, k * node), axis=1)
+        nodes = nodes.at[offsets[lvl] + node].set(sums, mode="promise_in_bounds")
+    # The rest read the small top of the tree: a loop (a smaller program, and faster on CPU
+    # when measured; see `dejax_eqx/README.md`).
+    if split < top:
+        base = offsets[split]
+        level_offsets = jnp.asarray(offsets, jnp.int32) - base
 
-    nodes, _ = jax.lax.fori_loop(1, len(offsets), level, (nodes, jnp.clip(indices, 0, cap - 1)))
+        def level(lvl, carry):
+            nodes, node = carry
+            node = node // k
+            sums = jnp.sum(_rows(nodes[base:], level_offsets[lvl - 1] + k * node), axis=1)
+            nodes = nodes.at[base + level_offsets[lvl] + node].set(sums, mode="promise_in_bounds")
+            return nodes, node
+
+        nodes, _ = jax.lax.fori_loop(split + 1, top + 1, level, (nodes, node))
     return eqx.tree_at(lambda t: t.nodes, tree, nodes)
 
 
-def find_leaves(tree: SumTree, values: Float[Array, " n"]) -> Int[Array, " n"]:
-    """`SumTree.find` without checks."""
+def _descend(
+    children: Float[Array, "n k"], node: Int[Array, " n"], u: Float[Array, " n"]
+) -> tuple[Int[Array, " n"], Float[Array, " n"], Float[Array, " n"]]:
+    """One level of `find`: the child of `node` whose range holds `u` (relative to the first
+    leaf below `node`), `u` relative to that child, and the child's value."""
+    # Take the first positive child whose range ends after u; if rounding put u past the end
+    # of every child, the last positive child. Either way a positive child: a positive node
+    # has one (its value is their sum), so the leaf reached is positive.
+    found = jnp.zeros(u.shape, jnp.bool_)
+    choice = last = jnp.zeros(u.shape, jnp.int32)
+    before = before_last = end = value = value_last = jnp.zeros_like(u)
+    for c in range(_BRANCHING):
+        x = children[:, c]
+        positive = x > 0
+        take = ~found & positive & (u < end + x)
+        choice = jnp.where(take, c, choice)
+        before = jnp.where(take, end, before)
+        value = jnp.where(take, x, value)
+        found = found | take
+        last = jnp.where(positive, c, last)
+        before_last = jnp.where(positive, end, before_last)
+        value_last = jnp.where(positive, x, value_last)
+        end = end + x
+    node = _BRANCHING * node + jnp.where(found, choice, last)
+    u = u - jnp.where(found, before, before_last)
+    return node, u, jnp.where(found, value, value_last)
+
+
+def find_leaves(
+    tree: SumTree, values: Float[Array, " n"]
+) -> tuple[Int[Array, " n"], Float[Array, " n"]]:
+    """`SumTree.find` without checks, and the value of each leaf found."""
     k = _BRANCHING
     offsets, _ = _layout(tree.capacity)
-    level_offsets = jnp.asarray(offsets, jnp.int32)
     top = len(offsets) - 1
-    if top == 0:  # capacity 1: the leaf is the root
-        return jnp.zeros(values.shape, jnp.int32)
-
-    def descend(step, carry):
-        node, u = carry  # node at level top - step; u is relative to its first leaf
-        children = _rows(tree.nodes, level_offsets[top - step - 1] + k * node)
-        # Take the first positive child whose range ends after u; if rounding put u past
-        # the end of every child, the last positive child. Either way a positive child: a
-        # positive node has one (its value is their sum), so the leaf reached is positive.
-        found = jnp.zeros(u.shape, jnp.bool_)
-        choice = last = jnp.zeros(u.shape, jnp.int32)
-        before = before_last = end = jnp.zeros_like(u)
-        for c in range(k):
-            x = children[:, c]
-            positive = x > 0
-            take = ~found & positive & (u < end + x)
-            choice = jnp.where(take, c, choice)
-            before = jnp.where(take, end, before)
-            found = found | take
-            last = jnp.where(positive, c, last)
-            before_last = jnp.where(positive, end, before_last)
-            end = end + x
-        choice = jnp.where(found, choice, last)
-        u = u - jnp.where(found, before, before_last)
-        return k * node + choice, u
-
     # The carry starts with the varying manual axes of both the tree and the values (inside
     # `shard_map`, a loop's carry must keep its type, and the body mixes the two).
     zero = jnp.zeros_like(values) + jnp.zeros_like(tree.total)
-    node, _ = jax.lax.fori_loop(0, top, descend, (zero.astype(jnp.int32), values + zero))
-    # Only an all-zero tree can end on padding past the last leaf.
-    return jnp.minimum(node, tree.capacity - 1)
+    if top == 0:  # capacity 1: the leaf is the root
+        return zero.astype(jnp.int32), tree.total + zero
+    split = _split(tree.capacity, tree.nodes.dtype.itemsize)
+    node, u, value = zero.astype(jnp.int32), values + zero, zero
+    # From the root down to the children on level `split`: a loop over the small top of the
+    # tree (see `_SMALL_BYTES`); then one unrolled step per large level, each reading only it.
+    if split < top:
+        base = offsets[split]
+        level_offsets = jnp.asarray(offsets, jnp.int32) - base
+
+        def step(lvl, carry):
+            node, u, _ = carry
+            children = _rows(tree.nodes[base:], level_offsets[lvl - 1] + k * node)
+            return _descend(children, node, u)
+
+        # Levels top .. split + 1 hold the parents; `lvl` counts down through them.
+        node, u, value = jax.lax.fori_loop(
+            0, top - split, lambda i, c: step(top - i, c), (node, u, value)
+        )
+    for lvl in range(split, 0, -1):
+        below = tree.nodes[offsets[lvl - 1] : offsets[lvl]]
+        node, u, value = _descend(_rows(below, k * node), node, u)
+    # Only an all-zero tree can end on padding past the last leaf (its value is then 0).
+    return jnp.minimum(node, tree.capacity - 1), value
 
 
 def draw_leaves(
@@ -311,7 +366,7 @@ def draw_leaves(
     uniform = jax.random.uniform(key, (batch_size,), dtype)
     if stratified:
         start = jnp.arange(batch_size, dtype=dtype)
-        leaves = find_leaves(tree, (start + uniform) * (total / batch_size))
+        leaves, value = find_leaves(tree, (start + uniform) * (total / batch_size))
     else:
         # The descent is bound by cache misses in a large tree. Sorted targets visit the
         # nodes in order, and neighbouring draws share the upper levels' cache lines (as
@@ -319,14 +374,11 @@ def draw_leaves(
         # Each row's leaf is exactly what an unsorted find gives it; rows stay independent.
         targets = uniform * total
         order = jnp.argsort(targets)
-        leaves = (
-            jnp.zeros(batch_size, jnp.int32)
-            .at[order]
-            .set(find_leaves(tree, targets[order]), unique_indices=True)
-        )
+        found, found_value = find_leaves(tree, targets[order])
+        leaves = jnp.zeros(batch_size, jnp.int32).at[order].set(found, unique_indices=True)
+        value = jnp.zeros(batch_size, dtype).at[order].set(found_value, unique_indices=True)
     positive = total > 0
     # No NaN even on an all-zero tree (wrappers draw from those too, then discard the rows).
-    value = jnp.take(tree.nodes, leaves)  # leaves are in [0, capacity): the first nodes
     return leaves, jnp.where(positive, value / jnp.where(positive, total, 1), 0)
 
 

@@ -331,3 +331,39 @@ def test_find_then_set_in_a_loop_never_copies_the_tree():
     shape = f"f32[{tree.nodes.shape[0]}]"
     copies = [line for line in hlo.splitlines() if shape in line and " copy(" in line]
     assert not copies, copies
+
+
+@pytest.mark.parametrize("small_bytes", [16, 300, 2600, 3000])
+def test_levels_read_through_slices_agree_with_the_loop(monkeypatch, small_bytes):
+    # Large trees read their large levels through one static slice each (unrolled) and the
+    # rest in a loop; small trees loop over every level. Shrinking the size limit puts the
+    # split at every height of a 5,000-leaf tree: the nodes written and the leaves found (and
+    # their values) must be bit for bit those of the all-loop path.
+    capacity = 5000
+    rng = np.random.default_rng(small_bytes)
+    batches = []
+    for _ in range(6):
+        n = 24
+        indices = rng.integers(0, capacity, n).astype(np.int32)
+        indices[:8] = indices[0]  # duplicates
+        batches.append((indices, rng.random(n).astype(np.float32), rng.random(n) < 0.8))
+    u = rng.random(64).astype(np.float32)
+
+    def run():
+        _sum_tree._split.cache_clear()
+        tree = dx.SumTree(capacity)
+        for indices, values, mask in batches:
+            tree = tree.set(indices, values, mask=mask)
+        leaves, value = _sum_tree.find_leaves(tree, jnp.asarray(u) * tree.total)
+        return np.asarray(tree.nodes), np.asarray(leaves), np.asarray(value), tree
+
+    loop = run()
+    assert _sum_tree._split(capacity, 4) == 0
+    monkeypatch.setattr(_sum_tree, "_SMALL_BYTES", small_bytes)
+    sliced = run()
+    assert _sum_tree._split(capacity, 4) > 0
+    _sum_tree._split.cache_clear()
+    for a, b in zip(loop[:3], sliced[:3]):
+        np.testing.assert_array_equal(a, b)
+    check_structure(sliced[3])
+    np.testing.assert_array_equal(sliced[2], sliced[0][sliced[1]])
