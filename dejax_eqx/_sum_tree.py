@@ -368,15 +368,9 @@ def draw_leaves(
         start = jnp.arange(batch_size, dtype=dtype)
         leaves, value = find_leaves(tree, (start + uniform) * (total / batch_size))
     else:
-        # The descent is bound by cache misses in a large tree. Sorted targets visit the
-        # nodes in order, and neighbouring draws share the upper levels' cache lines (as
-        # stratified draws do): find them sorted, then put each leaf back in its row.
-        # Each row's leaf is exactly what an unsorted find gives it; rows stay independent.
-        targets = uniform * total
-        order = jnp.argsort(targets)
-        found, found_value = find_leaves(tree, targets[order])
-        leaves = jnp.zeros(batch_size, jnp.int32).at[order].set(found, unique_indices=True)
-        value = jnp.zeros(batch_size, dtype).at[order].set(found_value, unique_indices=True)
+        # Unsorted: sorting the targets first (so that neighbouring draws share cache lines)
+        # cost more on CPU than it saved, 110 µs against 30 µs for 256 draws from 1M leaves.
+        leaves, value = find_leaves(tree, uniform * total)
     positive = total > 0
     # No NaN even on an all-zero tree (wrappers draw from those too, then discard the rows).
     return leaves, jnp.where(positive, value / jnp.where(positive, total, 1), 0)
