@@ -517,7 +517,7 @@ def _poison(x: Array) -> Array:
     return x
 
 
-def check_faults(x: PyTree, faults: Sequence[Fault]) -> PyTree:
+def check_faults(x: PyTree, faults: Sequence[Fault], *, order_reads: bool = True) -> PyTree:
     """Return `x`, after raising the message of the first fault that holds.
 
     The one runtime check of the library: every data-dependent fault of every buffer goes
@@ -537,6 +537,12 @@ def check_faults(x: PyTree, faults: Sequence[Fault]) -> PyTree:
     `x` must be what the operation's result is built from, so that the check cannot be
     removed as dead code: small outputs (a sampled batch, counters, the indices a scatter
     writes), never a whole storage array, which a conditional could copy.
+
+    `order_reads=False` is for a result that is handed to the caller and that no write of the
+    operation reads (a sampled batch): it then passes through a `where` on the token, which
+    fuses into the batch's own gather, rather than through the conditional, whose result
+    is a copy of the batch (24 µs per 256 sampled items of 131 floats from a 1M replay on
+    CPU). Inputs to a write keep the conditional (see below).
 
     `EQX_ON_ERROR` is honoured: `nan` poisons `x` (NaN for floats, the largest value for
     integers, `True` for bools) where a fault holds, `off` skips the checks.
@@ -567,5 +573,8 @@ def check_faults(x: PyTree, faults: Sequence[Fault]) -> PyTree:
     # which orders the reads of a buffer that feed `x` before the writes that use `x` (with a
     # `where` fused into a scatter, XLA copies the buffer instead of updating it in place).
     arrays, rest = eqx.partition(x, eqx.is_array)
-    arrays = jax.lax.cond(token, lambda a: jax.tree.map(_poison, a), lambda a: a, arrays)
+    if order_reads:
+        arrays = jax.lax.cond(token, lambda a: jax.tree.map(_poison, a), lambda a: a, arrays)
+    else:
+        arrays = jax.tree.map(lambda a: jnp.where(token, _poison(a), a), arrays)
     return eqx.combine(arrays, rest)

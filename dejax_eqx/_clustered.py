@@ -192,6 +192,7 @@ class ClusteredReplay(AbstractReplay):
         return check_faults(
             self.sample_unchecked(key, batch_size),
             [(self.size == 0, f"`{call}`: cannot sample from an empty ClusteredReplay")],
+            order_reads=False,
         )
 
     def sample_unchecked(self, key: PRNGKeyArray, batch_size: int) -> Any:

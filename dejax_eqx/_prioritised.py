@@ -331,6 +331,7 @@ class PrioritisedReplay(AbstractPrioritisedReplay):
                     "sum(priority ** priority_exponent) is not finite in the tree's dtype",
                 ),
             ],
+            order_reads=False,
         )
 
     def sample_unchecked(self, key: PRNGKeyArray, batch_size: int) -> PrioritisedSample:

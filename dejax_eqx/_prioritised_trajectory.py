@@ -289,6 +289,7 @@ class PrioritisedTrajectoryBuffer(eqx.Module):
                 ),
                 (~jnp.isfinite(total), f"`{call}`: the total priority mass is not finite"),
             ],
+            order_reads=False,
         )
 
     def stale(

@@ -530,7 +530,9 @@ class TrajectoryBuffer(eqx.Module):
         power = self._check_power(distribution_power, call)
         out = self._draw(key, source, batch_size, windows, power)
         return check_faults(
-            out, [_power_fault(power, call), self._no_start_fault(source, windows, call)]
+            out,
+            [_power_fault(power, call), self._no_start_fault(source, windows, call)],
+            order_reads=False,
         )
 
     def sample_mixed(
@@ -593,7 +595,7 @@ class TrajectoryBuffer(eqx.Module):
             for source, size in sizes.items()
             if size > 0
         ]
-        return check_faults(out, faults)
+        return check_faults(out, faults, order_reads=False)
 
     def sample_transitions(
         self,
@@ -696,6 +698,7 @@ class TrajectoryBuffer(eqx.Module):
                     "transition needs its n steps and the step after them",
                 ),
             ],
+            order_reads=False,
         )
 
     def overwritten(

@@ -95,6 +95,7 @@ class UniformReplay(AbstractReplay):
                     "`UniformReplay.sample`: cannot sample from an empty UniformReplay",
                 )
             ],
+            order_reads=False,
         )
 
     def sample_unchecked(

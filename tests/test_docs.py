@@ -560,11 +560,11 @@ def test_every_fault_message_is_collected(monkeypatch):
     original = _checks.check_faults
     calls: list[tuple[tuple[str, str], str]] = []
 
-    def recording(x, faults):
+    def recording(x, faults, **options):
         caller = sys._getframe(1).f_code
         site = (str(pathlib.Path(caller.co_filename).relative_to(ROOT)), caller.co_name)
         calls.extend((site, message) for _, message in faults)
-        return original(x, faults)
+        return original(x, faults, **options)
 
     for name, module in sys.modules.items():
         if name.startswith("dejax_eqx") and getattr(module, "check_faults", None) is original:
