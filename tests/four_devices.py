@@ -26,7 +26,7 @@ import pytest
 from hypothesis import given, settings
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from .helpers import assert_bits_equal, python_blocks, release_compiled_programs, SPECS
+from .helpers import assert_bits_equal, python_blocks, SPECS
 from .registry import batch_args, BUFFER_TYPES, filled, filled_batch
 from .test_io import batch_step, BUFFER_CASES, make_batch, MAX_SIZES, on_default_device, SPEC_NAMES
 
@@ -155,13 +155,6 @@ def _row(tree, d: int):
     """Row `d` of a batch, on the default device (an explicitly sharded array cannot be
     indexed eagerly)."""
     return jax.tree.map(lambda x: jnp.asarray(np.asarray(x)[d]), tree)
-
-
-@pytest.fixture(autouse=True)
-def _release_compiled_programs_after_each_test():
-    # This process runs next to the suite's two workers: it keeps only one test's programs.
-    yield
-    release_compiled_programs()
 
 
 @pytest.fixture(scope="module")
