@@ -5,8 +5,6 @@ import pytest
 from hypothesis import HealthCheck, settings
 from jaxtyping import install_import_hook
 
-from .helpers import release_compiled_programs
-
 
 # The hook must be in place before anything imports `dejax_eqx`, so that every annotated
 # function and module of the package is checked by beartype during the tests.
@@ -35,10 +33,12 @@ settings.register_profile("dev", max_examples=150, stateful_step_count=40, **_co
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 
+# Compiled executables are cached per process, and a module's shapes are rarely another's: once
+# a module is done its executables only hold memory (gigabytes over the whole suite).
 @pytest.fixture(autouse=True, scope="module")
-def _release_compiled_programs():
+def _clear_compilation_caches():
     yield
-    release_compiled_programs()
+    jax.clear_caches()
 
 
 def pytest_collection_modifyitems(config, items):

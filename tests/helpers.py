@@ -1,12 +1,9 @@
 """Shared test helpers: item specs, random items, tree comparison, frequency tests."""
 
-import ctypes
-import gc
 import re
 import textwrap
 from typing import NamedTuple
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -213,23 +210,3 @@ def python_blocks_with_lines(text: str) -> list[tuple[int, str]]:
 def python_blocks(text: str) -> list[str]:
     """The ```python blocks of a markdown page or docstring, dedented, ready to `exec`."""
     return [code for _, code in python_blocks_with_lines(text)]
-
-
-try:
-    _LIBC = ctypes.CDLL("libc.so.6")
-    _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
-except (OSError, AttributeError):  # not glibc
-    _LIBC = None
-
-
-def release_compiled_programs() -> None:
-    """Drop every cached compiled program and give the freed memory back to the OS.
-
-    Executables are cached per process and one test module's shapes are rarely another's, so
-    after a module they only hold memory; glibc keeps freed heap memory unless trimmed. Without
-    this a test process grows past 2 GB over the suite."""
-    eqx.clear_caches()  # Equinox's filter_jit and error_if caches hold traced functions too
-    jax.clear_caches()
-    gc.collect()
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
