@@ -75,6 +75,25 @@ def _rows(nodes: Float[Array, " nodes"], starts: Int[Array, " n"]) -> Float[Arra
     return jax.vmap(lambda s: jax.lax.dynamic_slice(nodes, (s,), (_BRANCHING,)))(starts)
 
 
+def _children(
+    nodes: Float[Array, " nodes"],
+    capacity: int,
+    level: int | Int[Array, ""],
+    node: Int[Array, " n"],
+) -> Float[Array, "n k"]:
+    """The `k` children of each `node` of `level` (so they lie on `level - 1`).
+
+    A Python int `level` (an unrolled large level) reads through a slice of level `level - 1`
+    alone; a traced one (the loop over the small top of the tree) through the slice from
+    level `_split` up, which stays under `_SMALL_BYTES` (see there)."""
+    offsets, _ = _layout(capacity)
+    if isinstance(level, int):
+        return _rows(nodes[offsets[level - 1] : offsets[level]], _BRANCHING * node)
+    base = offsets[_split(capacity, nodes.dtype.itemsize)]
+    first = jnp.asarray(offsets, jnp.int32)[level - 1] - base
+    return _rows(nodes[base:], first + _BRANCHING * node)
+
+
 class SumTree(eqx.Module):
     """A tree of non-negative values in one flat array, for sampling in proportion to them.
 
@@ -264,28 +283,23 @@ def set_leaves(
     # writes does not matter; dropped entries recompute some ancestor, which is harmless.
     top = len(offsets) - 1
     split = _split(cap, tree.nodes.dtype.itemsize)
-    node = jnp.clip(indices, 0, cap - 1)
-    # Levels whose children are on a large level: unrolled, each reading only that level.
-    for lvl in range(1, split + 1):
+
+    def level(lvl, carry):
+        nodes, node = carry
         node = node // k
-        below = nodes[offsets[lvl - 1] : offsets[lvl]]
-        sums = jnp.sum(_rows(below, k * node), axis=1)
-        nodes = nodes.at[offsets[lvl] + node].set(sums, mode="promise_in_bounds")
-    # The rest read the small top of the tree: a loop (a smaller program, and faster on CPU
-    # when measured; see `dejax_eqx/README.md`).
+        sums = jnp.sum(_children(nodes, cap, lvl, node), axis=1)
+        offset = offsets[lvl] if isinstance(lvl, int) else jnp.asarray(offsets, jnp.int32)[lvl]
+        return nodes.at[offset + node].set(sums, mode="promise_in_bounds"), node
+
+    # The levels whose children are on a large level, unrolled; then the small top of the
+    # tree in a loop (a smaller program, and faster on CPU when measured; see
+    # `dejax_eqx/README.md`).
+    carry = (nodes, jnp.clip(indices, 0, cap - 1))
+    for lvl in range(1, split + 1):
+        carry = level(lvl, carry)
     if split < top:
-        base = offsets[split]
-        level_offsets = jnp.asarray(offsets, jnp.int32) - base
-
-        def level(lvl, carry):
-            nodes, node = carry
-            node = node // k
-            sums = jnp.sum(_rows(nodes[base:], level_offsets[lvl - 1] + k * node), axis=1)
-            nodes = nodes.at[base + level_offsets[lvl] + node].set(sums, mode="promise_in_bounds")
-            return nodes, node
-
-        nodes, _ = jax.lax.fori_loop(split + 1, top + 1, level, (nodes, node))
-    return eqx.tree_at(lambda t: t.nodes, tree, nodes)
+        carry = jax.lax.fori_loop(split + 1, top + 1, level, carry)
+    return eqx.tree_at(lambda t: t.nodes, tree, carry[0])
 
 
 def _descend(
@@ -320,34 +334,26 @@ def find_leaves(
     tree: SumTree, values: Float[Array, " n"]
 ) -> tuple[Int[Array, " n"], Float[Array, " n"]]:
     """`SumTree.find` without checks, and the value of each leaf found."""
-    k = _BRANCHING
-    offsets, _ = _layout(tree.capacity)
-    top = len(offsets) - 1
+    top = len(_layout(tree.capacity)[0]) - 1
     # The carry starts with the varying manual axes of both the tree and the values (inside
     # `shard_map`, a loop's carry must keep its type, and the body mixes the two).
     zero = jnp.zeros_like(values) + jnp.zeros_like(tree.total)
     if top == 0:  # capacity 1: the leaf is the root
         return zero.astype(jnp.int32), tree.total + zero
     split = _split(tree.capacity, tree.nodes.dtype.itemsize)
-    node, u, value = zero.astype(jnp.int32), values + zero, zero
-    # From the root down to the children on level `split`: a loop over the small top of the
-    # tree (see `_SMALL_BYTES`); then one unrolled step per large level, each reading only it.
+
+    def step(lvl, carry):  # from the nodes of level `lvl` to their children
+        node, u, _ = carry
+        return _descend(_children(tree.nodes, tree.capacity, lvl, node), node, u)
+
+    # From the root down the small top of the tree in a loop (`lvl` counts down from `top`
+    # to `split + 1`), then one unrolled step per large level.
+    carry = (zero.astype(jnp.int32), values + zero, zero)
     if split < top:
-        base = offsets[split]
-        level_offsets = jnp.asarray(offsets, jnp.int32) - base
-
-        def step(lvl, carry):
-            node, u, _ = carry
-            children = _rows(tree.nodes[base:], level_offsets[lvl - 1] + k * node)
-            return _descend(children, node, u)
-
-        # Levels top .. split + 1 hold the parents; `lvl` counts down through them.
-        node, u, value = jax.lax.fori_loop(
-            0, top - split, lambda i, c: step(top - i, c), (node, u, value)
-        )
+        carry = jax.lax.fori_loop(0, top - split, lambda i, c: step(top - i, c), carry)
     for lvl in range(split, 0, -1):
-        below = tree.nodes[offsets[lvl - 1] : offsets[lvl]]
-        node, u, value = _descend(_rows(below, k * node), node, u)
+        carry = step(lvl, carry)
+    node, _, value = carry
     # Only an all-zero tree can end on padding past the last leaf (its value is then 0).
     return jnp.minimum(node, tree.capacity - 1), value
 
