@@ -18,6 +18,7 @@ from ._prioritised_trajectory import (
     PrioritisedSequenceSample as PrioritisedSequenceSample,
     PrioritisedTrajectoryBuffer as PrioritisedTrajectoryBuffer,
 )
+from ._queue import TrajectoryQueue as TrajectoryQueue
 from ._storage import CircularBuffer as CircularBuffer
 from ._sum_tree import SumTree as SumTree
 from ._trajectory import (

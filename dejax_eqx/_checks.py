@@ -295,6 +295,29 @@ def check_items(
     return jax.tree.unflatten(expected_def, out), n
 
 
+def check_sequences(
+    spec: PyTree[jax.ShapeDtypeStruct], items: PyTree[ArrayLike], call: str
+) -> tuple[PyTree[Array], int, int]:
+    """`check_items` for a batch of sequences: each leaf has two extra leading axes `(n, T)`,
+    the same for all leaves. Returns the converted items, `n` and `T`."""
+    leaves = jax.tree.leaves(items)
+    if jax.tree.structure(items) == jax.tree.structure(spec) and leaves:
+        first = leaves[0]
+        if np.ndim(first) < 2 + len(jax.tree.leaves(spec)[0].shape):
+            raise ValueError(
+                f"`{call}`: the batch of sequences has a leaf of shape {np.shape(first)}; every "
+                "leaf needs two leading axes (n, T), the envs and the steps, before the "
+                "prototype's shape."
+            )
+        length = np.shape(first)[1]
+        spec = jax.tree.map(lambda s: jax.ShapeDtypeStruct((length, *s.shape), s.dtype), spec)
+    else:
+        length = 0
+    items, n = check_items(spec, items, call, batched=True, what="batch of sequences")
+    assert n is not None
+    return items, n, length
+
+
 def check_fn_output(
     spec: PyTree[jax.ShapeDtypeStruct], fn: Callable[[PyTree[Array]], PyTree], call: str
 ) -> None:

@@ -16,6 +16,7 @@ from ._checks import (
     check_nonnegative_float,
     check_positive_int,
     check_real_scalar,
+    check_sequences,
     check_vector,
     INT32_MAX,
     Prototype,
@@ -74,9 +75,10 @@ class PrioritisedTrajectoryBuffer(eqx.Module):
         entries whose window has left since it was sampled, so a delayed update never lands
         on a newer window; `stale` says which.
 
-    The sum tree has one leaf per `(env, start // period mod max_length / period)`:
-    `period` must divide `max_length`. Its nodes are always recomputed from their children
-    (no accumulated deltas), and a leaf of priority 0 is never drawn.
+    The sum tree has one leaf per `(env, start // period mod (max_length // period))`. When
+    `period` does not divide `max_length`, the window must be longer than `max_length mod
+    period`, so that two stored windows never share a leaf. Its nodes are always recomputed
+    from their children (no accumulated deltas), and a leaf of priority 0 is never drawn.
 
     `PrioritisedTrajectoryBuffer` is final: it is not meant to be subclassed.
     """
@@ -110,7 +112,8 @@ class PrioritisedTrajectoryBuffer(eqx.Module):
         - `prototype`, `num_envs`, `max_length`: as for `TrajectoryBuffer`.
         - `sequence_length`, `burn_in`, `bootstrap`: the window, as for
             `TrajectoryBuffer.sample` (`W` at most `max_length`).
-        - `period`: a positive int that divides `max_length` (default 1).
+        - `period`: a positive int, at most `max_length` (default 1). If it does not divide
+            `max_length`, `W` must exceed `max_length mod period`.
         - `priority_exponent`: `α >= 0` (default 0.6).
         - `stratified`: draw one window from each of `batch_size` equal slices of the total
             mass (default `False`: i.i.d. draws).
@@ -123,15 +126,24 @@ class PrioritisedTrajectoryBuffer(eqx.Module):
         )
         self.sequence_length, self.burn_in = windows.length, windows.burn_in
         self.bootstrap, self.period = bootstrap, windows.law.period
-        if max_length % self.period:
+        slots, spare = divmod(max_length, self.period)
+        if slots == 0:
             raise ValueError(
-                f"`{call}(period=...)` must divide max_length = {max_length}, got "
-                f"{self.period}: each env has max_length / period window slots."
+                f"`{call}(period=...)` must be at most max_length = {max_length}, got "
+                f"{self.period}."
+            )
+        if self.window <= spare:
+            raise ValueError(
+                f"`{call}(period=...)`: with max_length = {max_length} and period = "
+                f"{self.period}, each env has max_length // period = {slots} window slots, "
+                f"reused as its stream wraps; two stored windows would share one unless a "
+                f"window is longer than max_length mod period = {spare} steps, and it has "
+                f"{self.window}. Make max_length a multiple of period, or the window longer."
             )
         capacity = num_envs * (max_length // self.period)
         if capacity > MAX_CAPACITY:
             raise ValueError(
-                f"`{call}`: num_envs * max_length / period = {capacity} windows, more than the "
+                f"`{call}`: num_envs * (max_length // period) = {capacity} windows, more than the "
                 f"sum tree's {MAX_CAPACITY}."
             )
         self.priority_exponent = check_nonnegative_float(
@@ -154,7 +166,7 @@ class PrioritisedTrajectoryBuffer(eqx.Module):
 
     @property
     def slots_per_env(self) -> int:
-        """`max_length / period`: the sum-tree leaves of one env."""
+        """`max_length // period`: the sum-tree leaves of one env."""
         return self.trajectories.max_length // self.period
 
     @property
@@ -184,17 +196,10 @@ class PrioritisedTrajectoryBuffer(eqx.Module):
         **Raises:** as `TrajectoryBuffer.add`.
         """
         trajectories = self.trajectories.add(items, env_ids)
-        n = trajectories.num_envs
-        if env_ids is None:
-            rows = jnp.arange(n, dtype=jnp.int32)
-            valid = jnp.ones(n, jnp.bool_)
-        else:
-            # Checked by the add above (a fault raises there); here only kept in bounds.
-            rows, bad = check_index(env_ids, n, "PrioritisedTrajectoryBuffer.add(env_ids=...)")
-            if rows.shape[0] == 0:
-                return self
-            valid = ~bad
-            rows = jnp.where(bad, 0, rows)
+        # Checked by the add above (a fault raises there); here only kept in bounds.
+        rows, valid = self._rows(env_ids, trajectories.num_envs, "PrioritisedTrajectoryBuffer.add")
+        if rows.shape[0] == 0:
+            return self
         count = trajectories.step_count[rows]  # after the add: the new step is count - 1
         m, w, p = trajectories.max_length, self.window, self.period
         gone = count - 1 - m  # the start whose first step was just overwritten
@@ -218,6 +223,73 @@ class PrioritisedTrajectoryBuffer(eqx.Module):
             unique=True,
         )
         return eqx.tree_at(lambda b: (b.trajectories, b.tree), self, (trajectories, tree))
+
+    def extend(
+        self: _PT, items: PyTree[ArrayLike], env_ids: Integer[ArrayLike, " n"] | None = None
+    ) -> _PT:
+        """Append `T` consecutive steps to the stream of each listed env: the same as `T`
+        calls of `add`, in one write and one update of the sum tree (as
+        `TrajectoryBuffer.extend`).
+
+        Every window that leaves during the `T` steps gets priority 0, and every window that
+        becomes admissible and is still stored at the end gets `max_priority`; the other
+        windows keep theirs.
+
+        **Raises:** as `TrajectoryBuffer.extend`.
+        """
+        call = "PrioritisedTrajectoryBuffer.extend"
+        items, n, length = check_sequences(self.item_spec, items, call)
+        if length == 1:  # the cheaper update of one step
+            return self.add(jax.tree.map(lambda x: x[:, 0], items), env_ids)
+        trajectories = self.trajectories._append(items, n, length, env_ids, call)
+        if length == 0:
+            return self
+        rows, valid = self._rows(env_ids, trajectories.num_envs, call)
+        if rows.shape[0] == 0:
+            return self
+        t = trajectories
+        count = t.step_count[rows]  # after the add
+        before = count - length
+        first = count - t.replay_length[rows]  # the oldest stored step
+        m, w, p = t.max_length, self.window, self.period
+        # A slot can change only if a window of it enters (its last step is among the new
+        # ones) or leaves (its first step is overwritten): at most ceil(T / p) starts each.
+        # The value of such a slot after the add is a function of the slot alone, so the
+        # candidates may repeat a slot: every copy writes the same.
+        per = -(-length // p)
+        k = (jnp.arange(per, dtype=jnp.int32) * p)[None, :]
+        enter = _ceil_to(before - w + 1, p)[:, None] + k  # last step in (before, count]
+        leave = _ceil_to(before - m, p)[:, None] + k  # first step in [before - m, count - m)
+        starts = jnp.concatenate([enter, leave], axis=1)
+        touched = valid[:, None] & jnp.concatenate(
+            [enter <= (count - w)[:, None], leave < (count - m)[:, None]], axis=1
+        )
+        touched = touched & (starts >= 0)
+        slot = (jnp.maximum(starts, 0) // p) % self.slots_per_env
+        # The slot's admissible start after the add: the latest s = j * p <= count - W with
+        # j ≡ slot (mod slots_per_env), if it is still stored.
+        j_max = ((count - w) // p)[:, None]
+        latest = (j_max - (j_max - slot) % self.slots_per_env) * p
+        stored = (j_max >= 0) & (latest >= first[:, None])
+        entered = latest > (before - w)[:, None]
+        write = touched & (~stored | entered)
+        mass = jnp.where(stored, self._mass(self.max_priority), 0)
+        tree = set_leaves(
+            self.tree,
+            (rows[:, None] * self.slots_per_env + slot).reshape(-1),
+            mass.reshape(-1),
+            mask=write.reshape(-1),
+        )
+        return eqx.tree_at(lambda b: (b.trajectories, b.tree), self, (trajectories, tree))
+
+    def _rows(
+        self, env_ids: Integer[ArrayLike, " n"] | None, num_envs: int, call: str
+    ) -> tuple[Int[Array, " n"], Bool[Array, " n"]]:
+        """The rows an add touched, and which are valid (checked by the add itself)."""
+        if env_ids is None:
+            return jnp.arange(num_envs, dtype=jnp.int32), jnp.ones(num_envs, jnp.bool_)
+        rows, bad = check_index(env_ids, num_envs, f"{call}(env_ids=...)")
+        return jnp.where(bad, 0, rows), ~bad
 
     def sample(
         self,
@@ -368,3 +440,8 @@ class PrioritisedTrajectoryBuffer(eqx.Module):
 
     def _mass(self, priorities: Float[Array, "*s"]) -> Float[Array, "*s"]:
         return priority_mass(priorities, self.priority_exponent)
+
+
+def _ceil_to(x: Int[Array, "*s"], p: int) -> Int[Array, "*s"]:
+    """The least multiple of `p` at least `x` (floor division rounds towards -inf)."""
+    return -((-x) // p) * p

@@ -6,6 +6,7 @@ from typing import Any, Literal, NamedTuple, TypeVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jaxtyping import (
     Array,
@@ -30,6 +31,7 @@ from ._checks import (
     check_nonnegative_int,
     check_positive_int,
     check_real_scalar,
+    check_sequences,
     count_ids,
     INT32_MAX,
     Prototype,
@@ -345,20 +347,74 @@ class TrajectoryBuffer(eqx.Module):
         call = "TrajectoryBuffer.add"
         items, n = check_items(self.item_spec, items, call, batched=True, what="batch of steps")
         assert n is not None
+        return self._append(jax.tree.map(lambda x: x[:, None], items), n, 1, env_ids, call)
+
+    def extend(
+        self: _TB, items: PyTree[ArrayLike], env_ids: Integer[ArrayLike, " n"] | None = None
+    ) -> _TB:
+        """Append `T` consecutive steps to the stream of each listed env: the same as `T`
+        calls of `add` (step `t` of every listed env in call `t`), in one write.
+
+        For actors that collect a rollout of `T` steps from every env before storing it (a
+        `lax.scan` over the env step, as in PureJaxRL or Stoix), and for flashbax's
+        trajectory buffers, which add `[num_envs, T]` batches.
+
+        **Arguments:**
+
+        - `items`: a pytree with the prototype's structure whose leaves have two extra
+            leading axes `(n, T)`: `T` steps for each listed env, oldest first. `T = 0` adds
+            nothing. `T > max_length` is allowed: as after `T` adds, the last `max_length`
+            steps remain.
+        - `env_ids`: as for `add`; `None` (the default) means every env, in order.
+
+        **Returns:** the new buffer.
+
+        **Raises:** as `add`, and an `eqx.error_if` error if an env would pass `2**31 - 1`
+        steps.
+        """
+        call = "TrajectoryBuffer.extend"
+        items, n, length = check_sequences(self.item_spec, items, call)
+        return self._append(items, n, length, env_ids, call)
+
+    def _append(
+        self: _TB,
+        items: PyTree[Array],
+        n: int,
+        length: int,
+        env_ids: Integer[ArrayLike, " n"] | None,
+        call: str,
+    ) -> _TB:
+        """Append `length` steps to each of `n` envs (leaves `[n, length, ...]`, checked)."""
+        if length == 0:
+            return self
+        m = self.max_length
+        if length > m:  # only the last m steps of each env survive, as after `length` adds
+            items = jax.tree.map(lambda x: x[:, length - m :], items)
+        kept = min(length, m)
+        # Step t of the kept ones goes `length - kept + t` slots past the env's cursor.
+        offsets = jnp.asarray(np.arange(length - kept, length) % m, jnp.int32)
         head = self.head
         faults = []
         if env_ids is None:
             if n != self.num_envs:
                 raise ValueError(
-                    f"`{call}`: without `env_ids` there must be one step for every env, but the "
-                    f"batch of steps has {n} entries and num_envs is {self.num_envs}. Pass "
+                    f"`{call}`: without `env_ids` there must be steps for every env, but the "
+                    f"batch has {n} entries and num_envs is {self.num_envs}. Pass "
                     "`env_ids` to add steps for some envs only."
                 )
-            # Row e of every leaf takes step e at its own cursor: a vmapped one-step update,
-            # which is one scatter whose env axis is a batch axis. Sharded along that axis,
-            # every device writes its own envs' steps with no communication.
-            write = jax.vmap(lambda row, y, h: lax.dynamic_update_index_in_dim(row, y, h, 0))
-            data = jax.tree.map(lambda x, y: write(x, y, head), self.data, items)
+            if kept == 1:
+                # Row e of every leaf takes step e at its own cursor: a vmapped one-step
+                # update, which is one scatter whose env axis is a batch axis. Sharded along
+                # that axis, every device writes its own envs' steps with no communication.
+                write = jax.vmap(lambda row, y, h: lax.dynamic_update_index_in_dim(row, y, h, 0))
+                last = ring_add(head, offsets[0], m)
+                data = jax.tree.map(lambda x, y: write(x, y[:, 0], last), self.data, items)
+            else:
+                rows = jnp.arange(self.num_envs, dtype=jnp.int32)[:, None]
+                slots = ring_add(head[:, None], offsets[None, :], m)
+                data = jax.tree.map(
+                    lambda x, y: x.at[rows, slots].set(y, unique_indices=True), self.data, items
+                )
             added = jnp.ones(self.num_envs, jnp.bool_)
         else:
             rows, bad = check_index(
@@ -370,42 +426,46 @@ class TrajectoryBuffer(eqx.Module):
             # An id out of range is row `num_envs` and is dropped, so a bad call writes nothing
             # outside the arrays, whatever `EQX_ON_ERROR` says.
             cursors = jnp.take(head, rows, mode="fill", fill_value=0)
+            slots = ring_add(cursors[:, None], offsets[None, :], m)
             data = jax.tree.map(
-                lambda x, y: x.at[rows, cursors].set(y, mode="drop"), self.data, items
+                lambda x, y: x.at[rows[:, None], slots].set(y, mode="drop"), self.data, items
             )
             added = counts > 0
             faults += [
                 (bad, f"`{call}`: {_out_of_range(self.num_envs)}"),
                 (
                     jnp.any(counts > 1),
-                    f"`{call}`: an env id occurs more than once; each call adds at most one "
-                    "step per env",
+                    f"`{call}`: an env id occurs more than once; each call adds to each env "
+                    "at most once",
                 ),
             ]
         faults.append(
             (
-                jnp.any(added & (self.step_count == INT32_MAX)),
-                f"`{call}`: an env has taken 2**31 - 1 steps, the most its int32 step count "
+                jnp.any(added & (self.step_count > INT32_MAX - length)),
+                f"`{call}`: an env would pass 2**31 - 1 steps, the most its int32 step count "
                 "holds; the step numbers that align periods and stamp samples would wrap",
             )
         )
-        new = self._advance(data, added)
+        new = self._advance(data, added, length)
         # The guard sits on the new counters, outputs every later use depends on, not on the
         # storage (threading it through `error_if` could force a copy).
         state = check_faults((new.step_count, new.replay_length, new.online_length), faults)
         return eqx.tree_at(lambda b: (b.step_count, b.replay_length, b.online_length), new, state)
 
-    def _advance(self: _TB, data: PyTree[Array], added: Bool[Array, " num_envs"]) -> _TB:
+    def _advance(
+        self: _TB, data: PyTree[Array], added: Bool[Array, " num_envs"], length: int
+    ) -> _TB:
         m = self.max_length
 
-        def grow(length):
-            # `length < m` rather than `min(length + 1, m)`: nothing ever exceeds m.
-            return jnp.where(added & (length < m), length + 1, length)
+        def grow(window):
+            # `min(window, m - length) + length` rather than `min(window + length, m)`: no
+            # int32 overflow, and nothing ever exceeds m.
+            grown = jnp.minimum(window, max(m - length, 0)) + min(length, m)
+            return jnp.where(added, grown, window)
 
-        # At 2**31 - 1 the count stays put: the add is refused by the caller's check.
-        step_count = jnp.where(
-            added & (self.step_count < INT32_MAX), self.step_count + 1, self.step_count
-        )
+        # Past 2**31 - 1 the count stays put: the add is refused by the caller's check.
+        fits = added & (self.step_count <= INT32_MAX - length)
+        step_count = jnp.where(fits, self.step_count + length, self.step_count)
         return eqx.tree_at(
             lambda b: (b.data, b.step_count, b.replay_length, b.online_length),
             self,

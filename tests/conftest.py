@@ -27,8 +27,8 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 # every run.
 _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # ci is sized for the README's test command (two processes, a 2-core machine, a few minutes):
-# 12 examples and 6 state-machine steps per run; dev 150 and 40.
-settings.register_profile("ci", max_examples=12, stateful_step_count=6, derandomize=True, **_common)
+# 8 examples and 6 state-machine steps per run; dev 150 and 40.
+settings.register_profile("ci", max_examples=8, stateful_step_count=6, derandomize=True, **_common)
 settings.register_profile("dev", max_examples=150, stateful_step_count=40, **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 

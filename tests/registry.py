@@ -294,6 +294,15 @@ def _env_steps(seed: int, ids):
     return _items(seed, len(ids)), np.asarray(ids, np.int32)
 
 
+def _env_sequences(seed: int, ids, length: int = 2):
+    """`length` steps for each of the envs `ids`: leaves `[len(ids), length, ...]`."""
+    items = _items(seed, len(ids) * length)
+    return (
+        {k: v.reshape(len(ids), length, *v.shape[1:]) for k, v in items.items()},
+        np.asarray(ids, np.int32),
+    )
+
+
 def _trajectory_fill_call(b, a):
     first, second = a
     return b.add(first).add(second[0], env_ids=second[1]), None
@@ -310,6 +319,10 @@ _TRAJECTORY = {
         lambda s: _env_steps(s, [(s + 1) % NUM_ENVS, s % NUM_ENVS]),
     ),
     "add(all envs)": _new(lambda b, a: (b.add(a), None), lambda s: _items(s, NUM_ENVS)),
+    "extend": _new(
+        lambda b, a: (b.extend(a[0], env_ids=a[1]), None),
+        lambda s: _env_sequences(s, [(s + 1) % NUM_ENVS, s % NUM_ENVS]),
+    ),
     "peek": _query(
         lambda b, a: b.peek(a),
         lambda s: np.asarray([s % NUM_ENVS, 0], np.int32),
@@ -366,6 +379,7 @@ def _window_stamps(seed: int):
 _PRIORITISED_TRAJECTORY = {
     "add": _TRAJECTORY["add"],
     "add(all envs)": _TRAJECTORY["add(all envs)"],
+    "extend": _TRAJECTORY["extend"],
     "sample": _query(
         lambda b, a: b.sample(a[0], BATCH, beta=a[1]), lambda s: (_key(s), np.float32(0.5))
     ),

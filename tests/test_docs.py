@@ -517,10 +517,11 @@ def _exercise_every_fault_site() -> None:
         ),
         dx.TrajectoryBuffer(item, num_envs=2, max_length=4),
         dx.PrioritisedTrajectoryBuffer(item, num_envs=2, max_length=4, sequence_length=1),
+        dx.TrajectoryQueue(item, num_envs=2, max_length=4),
     )
 
     def run(buffers, key):
-        ring, uniform, tree, prioritised, clustered, trajectories, windowed = buffers
+        ring, uniform, tree, prioritised, clustered, trajectories, windowed, queue = buffers
         batch = jax.tree.map(lambda x: jnp.stack([x, x]), item)
         slots, ones = jnp.array([0, 1], jnp.int32), jnp.ones(2)
         ring = ring.push_batch(batch)
@@ -547,6 +548,7 @@ def _exercise_every_fault_site() -> None:
         windows.sample(key, 2)
         windows.set_priorities(slots, slots, ones)
         windows.stale(slots, slots)
+        queue.add(batch).pop(1)
 
     eqx.filter_eval_shape(run, buffers, jax.random.key(0))
 

@@ -531,7 +531,7 @@ def test_add_static_errors(jit):
         add(buf, _steps(2), np.zeros(2, np.float32))
     with pytest.raises(TypeError, match=r"leaf `\['obs'\]` has dtype float16, expected float32"):
         add(buf, {"obs": np.ones((2, 3), np.float16), "done": np.zeros(2, bool)}, _ids(0, 1))
-    with pytest.raises(ValueError, match="one step for every env.*2 entries and num_envs is 3"):
+    with pytest.raises(ValueError, match="steps for every env.*2 entries and num_envs is 3"):
         buf.add(_steps(2))
 
 
