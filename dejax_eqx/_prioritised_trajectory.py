@@ -241,9 +241,9 @@ class PrioritisedTrajectoryBuffer(eqx.Module):
         items, n, length = check_sequences(self.item_spec, items, call)
         if length == 1:  # the cheaper update of one step
             return self.add(jax.tree.map(lambda x: x[:, 0], items), env_ids)
-        trajectories = self.trajectories._append(items, n, length, env_ids, call)
         if length == 0:
             return self
+        trajectories = self.trajectories._append(items, n, length, env_ids, call)
         rows, valid = self._rows(env_ids, trajectories.num_envs, call)
         if rows.shape[0] == 0:
             return self
@@ -266,11 +266,10 @@ class PrioritisedTrajectoryBuffer(eqx.Module):
         )
         touched = touched & (starts >= 0)
         slot = (jnp.maximum(starts, 0) // p) % self.slots_per_env
-        # The slot's admissible start after the add: the latest s = j * p <= count - W with
-        # j ≡ slot (mod slots_per_env), if it is still stored.
-        j_max = ((count - w) // p)[:, None]
-        latest = (j_max - (j_max - slot) % self.slots_per_env) * p
-        stored = (j_max >= 0) & (latest >= first[:, None])
+        # The slot's admissible start after the add, if it is still stored (a negative
+        # `latest`, no start yet, is below `first >= 0`).
+        latest = self._latest_start(count[:, None], slot)
+        stored = latest >= first[:, None]
         entered = latest > (before - w)[:, None]
         write = touched & (~stored | entered)
         mass = jnp.where(stored, self._mass(self.max_priority), 0)
@@ -281,6 +280,13 @@ class PrioritisedTrajectoryBuffer(eqx.Module):
             mask=write.reshape(-1),
         )
         return eqx.tree_at(lambda b: (b.trajectories, b.tree), self, (trajectories, tree))
+
+    def _latest_start(self, count: Int[Array, "*#s"], slot: Int[Array, "*#s"]) -> Int[Array, "..."]:
+        """The latest start `s = j * period <= count - W` with `j ≡ slot (mod slots_per_env)`:
+        the window a slot holds once an env has taken `count` steps, if any is stored."""
+        k = self.slots_per_env
+        j_max = (count - self.window) // self.period
+        return (j_max - (j_max - slot) % k) * self.period
 
     def _rows(
         self, env_ids: Integer[ArrayLike, " n"] | None, num_envs: int, call: str
@@ -336,11 +342,9 @@ class PrioritisedTrajectoryBuffer(eqx.Module):
         leaves, probabilities = draw_leaves(tree, key, batch_size, self.stratified)
         k = self.slots_per_env
         env, slot = leaves // k, leaves % k
-        # The admissible start in that slot: the latest start s = j * P <= count - W with
-        # j ≡ slot (mod k). Only leaves of positive priority are drawn, so it is stored.
+        # Only leaves of positive priority are drawn, so the slot's latest start is stored.
         count = t.step_count[env]
-        j_max = (count - self.window) // self.period
-        start = (j_max - (j_max - slot) % k) * self.period
+        start = self._latest_start(count, slot)
         back = jnp.clip(count - start, 0, t.max_length)
         sample = t._gather(env, back, jnp.full_like(back, self.window), windows)
         num = jnp.maximum(self.num_windows, 1)

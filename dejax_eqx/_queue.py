@@ -7,15 +7,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Int, Integer, PyTree, Shaped
 
-from ._checks import (
-    check_faults,
-    check_index,
-    check_items,
-    check_positive_int,
-    check_sequences,
-    plural,
-    Prototype,
-)
+from ._checks import check_faults, check_positive_int, plural, Prototype
 from ._storage import ring_add, ring_sub
 from ._trajectory import TrajectoryBuffer
 
@@ -107,9 +99,7 @@ class TrajectoryQueue(eqx.Module):
         already holds `max_length` unread steps.
         """
         call = "TrajectoryQueue.add"
-        items, n = check_items(self.item_spec, items, call, batched=True, what="batch of steps")
-        assert n is not None
-        return self._append(jax.tree.map(lambda x: x[:, None], items), n, 1, env_ids, call)
+        return self._with(self.trajectories._add(items, env_ids, call, keep_unread=True))
 
     def extend(
         self: _Q, items: PyTree[ArrayLike], env_ids: Integer[ArrayLike, " n"] | None = None
@@ -122,44 +112,9 @@ class TrajectoryQueue(eqx.Module):
         steps (the add would overwrite some).
         """
         call = "TrajectoryQueue.extend"
-        items, n, length = check_sequences(self.item_spec, items, call)
-        if length > self.max_length:
-            raise ValueError(
-                f"`{call}`: {length} steps per env do not fit in a queue of max_length = "
-                f"{self.max_length}; the oldest would be overwritten before they are read."
-            )
-        return self._append(items, n, length, env_ids, call)
+        return self._with(self.trajectories._extend(items, env_ids, call, keep_unread=True))
 
-    def _append(
-        self: _Q,
-        items: PyTree[Array],
-        n: int,
-        length: int,
-        env_ids: Integer[ArrayLike, " n"] | None,
-        call: str,
-    ) -> _Q:
-        if length == 0:
-            return self
-        if env_ids is None:
-            unread = self.unread
-        else:
-            # Range and repeats are checked by the add below; a bad id reads 0 here.
-            rows, _ = check_index(env_ids, self.num_envs, f"{call}(env_ids=...)", ndim=1)
-            unread = jnp.take(self.unread, rows, mode="fill", fill_value=0)
-        full = jnp.any(unread > self.max_length - length)
-        trajectories = self.trajectories._append(items, n, length, env_ids, call)
-        online = check_faults(
-            trajectories.online_length,
-            [
-                (
-                    full,
-                    f"`{call}`: an env's queue has no room for {plural(length, 'more step')}; "
-                    "the add would overwrite unread "
-                    f"steps (max_length = {self.max_length}). Pop first, or check `can_add`",
-                )
-            ],
-        )
-        trajectories = eqx.tree_at(lambda t: t.online_length, trajectories, online)
+    def _with(self: _Q, trajectories: TrajectoryBuffer) -> _Q:
         return eqx.tree_at(lambda q: q.trajectories, self, trajectories)
 
     def pop(self: _Q, sequence_length: int) -> tuple[PyTree[Shaped[Array, "num_envs seq ..."]], _Q]:

@@ -34,6 +34,7 @@ from ._checks import (
     check_sequences,
     count_ids,
     INT32_MAX,
+    plural,
     Prototype,
     spec_of,
 )
@@ -344,10 +345,7 @@ class TrajectoryBuffer(eqx.Module):
         of range or occurs twice, or if an env has taken `2**31 - 1` steps (the most its int32
         step count holds).
         """
-        call = "TrajectoryBuffer.add"
-        items, n = check_items(self.item_spec, items, call, batched=True, what="batch of steps")
-        assert n is not None
-        return self._append(jax.tree.map(lambda x: x[:, None], items), n, 1, env_ids, call)
+        return self._add(items, env_ids, "TrajectoryBuffer.add")
 
     def extend(
         self: _TB, items: PyTree[ArrayLike], env_ids: Integer[ArrayLike, " n"] | None = None
@@ -372,9 +370,19 @@ class TrajectoryBuffer(eqx.Module):
         **Raises:** as `add`, and an `eqx.error_if` error if an env would pass `2**31 - 1`
         steps.
         """
-        call = "TrajectoryBuffer.extend"
+        return self._extend(items, env_ids, "TrajectoryBuffer.extend")
+
+    def _add(self: _TB, items, env_ids, call: str, *, keep_unread: bool = False) -> _TB:
+        """`add` under the name `call`; `keep_unread` as for `_append`."""
+        items, n = check_items(self.item_spec, items, call, batched=True, what="batch of steps")
+        assert n is not None
+        steps = jax.tree.map(lambda x: x[:, None], items)
+        return self._append(steps, n, 1, env_ids, call, keep_unread=keep_unread)
+
+    def _extend(self: _TB, items, env_ids, call: str, *, keep_unread: bool = False) -> _TB:
+        """`extend` under the name `call`; `keep_unread` as for `_append`."""
         items, n, length = check_sequences(self.item_spec, items, call)
-        return self._append(items, n, length, env_ids, call)
+        return self._append(items, n, length, env_ids, call, keep_unread=keep_unread)
 
     def _append(
         self: _TB,
@@ -383,11 +391,22 @@ class TrajectoryBuffer(eqx.Module):
         length: int,
         env_ids: Integer[ArrayLike, " n"] | None,
         call: str,
+        *,
+        keep_unread: bool = False,
     ) -> _TB:
-        """Append `length` steps to each of `n` envs (leaves `[n, length, ...]`, checked)."""
+        """Append `length` steps to each of `n` envs (leaves `[n, length, ...]`, checked).
+
+        With `keep_unread` (`TrajectoryQueue`: the online window holds the unread steps), an
+        add that would push an unread step out of a listed env's online window is refused.
+        """
+        m = self.max_length
+        if keep_unread and length > m:
+            raise ValueError(
+                f"`{call}`: {length} steps per env do not fit in a queue of max_length = "
+                f"{m}; the oldest would be overwritten before they are read."
+            )
         if length == 0:
             return self
-        m = self.max_length
         if length > m:  # only the last m steps of each env survive, as after `length` adds
             items = jax.tree.map(lambda x: x[:, length - m :], items)
         kept = min(length, m)
@@ -439,6 +458,15 @@ class TrajectoryBuffer(eqx.Module):
                     "at most once",
                 ),
             ]
+        if keep_unread:
+            faults.append(
+                (
+                    jnp.any(added & (self.online_length > m - length)),
+                    f"`{call}`: an env's queue has no room for {plural(length, 'more step')}; "
+                    f"the add would overwrite unread steps (max_length = {m}). Pop first, or "
+                    "check `can_add`",
+                )
+            )
         faults.append(
             (
                 jnp.any(added & (self.step_count > INT32_MAX - length)),
