@@ -249,7 +249,7 @@ def set_leaves(
     n = indices.shape[0]
     if n == 0:
         return tree
-    cap, k = tree.capacity, _BRANCHING
+    cap = tree.capacity
     offsets, num_nodes = _layout(cap)
     keep = (indices >= 0) & (indices < cap)
     if mask is not None:
@@ -281,25 +281,40 @@ def set_leaves(
     # Recompute each ancestor from its children, level by level. An ancestor reached by
     # several entries is written several times with the same value, so the order of those
     # writes does not matter; dropped entries recompute some ancestor, which is harmless.
-    top = len(offsets) - 1
-    split = _split(cap, tree.nodes.dtype.itemsize)
-
-    def level(lvl, carry):
-        nodes, node = carry
-        node = node // k
-        sums = jnp.sum(_children(nodes, cap, lvl, node), axis=1)
-        offset = offsets[lvl] if isinstance(lvl, int) else jnp.asarray(offsets, jnp.int32)[lvl]
-        return nodes.at[offset + node].set(sums, mode="promise_in_bounds"), node
-
     # The levels whose children are on a large level, unrolled; then the small top of the
     # tree in a loop (a smaller program, and faster on CPU when measured; see
     # `dejax_eqx/README.md`).
+    top = len(offsets) - 1
+    split = _split(cap, tree.nodes.dtype.itemsize)
     carry = (nodes, jnp.clip(indices, 0, cap - 1))
     for lvl in range(1, split + 1):
-        carry = level(lvl, carry)
+        carry = _sum_level(lvl, carry, cap)
     if split < top:
-        carry = jax.lax.fori_loop(split + 1, top + 1, level, carry)
+        carry = _sum_levels(carry, cap, split + 1, top + 1)
     return eqx.tree_at(lambda t: t.nodes, tree, carry[0])
+
+
+def _sum_level(
+    lvl: int | Int[Array, ""], carry: tuple[Array, Array], capacity: int
+) -> tuple[Array, Array]:
+    """Level `lvl` of `set_leaves`: the parents of `node` (on level `lvl - 1`), recomputed."""
+    nodes, node = carry
+    node = node // _BRANCHING
+    offsets, _ = _layout(capacity)
+    sums = jnp.sum(_children(nodes, capacity, lvl, node), axis=1)
+    offset = offsets[lvl] if isinstance(lvl, int) else jnp.asarray(offsets, jnp.int32)[lvl]
+    return nodes.at[offset + node].set(sums, mode="promise_in_bounds"), node
+
+
+# The two loops over the small top of the tree are jitted functions of module level, with the
+# tree's shape static: called eagerly, a loop whose body is a closure made per call compiles
+# again on every call (60-80 ms each, measured); inside a traced function the `jit` is inlined.
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _sum_levels(
+    carry: tuple[Array, Array], capacity: int, first: int, stop: int
+) -> tuple[Array, Array]:
+    """`_sum_level` for the levels `first .. stop - 1`, in a loop."""
+    return jax.lax.fori_loop(first, stop, functools.partial(_sum_level, capacity=capacity), carry)
 
 
 def _descend(
@@ -330,6 +345,31 @@ def _descend(
     return node, u, jnp.where(found, value, value_last)
 
 
+def _find_level(
+    nodes: Float[Array, " nodes"],
+    capacity: int,
+    lvl: int | Int[Array, ""],
+    carry: tuple[Array, Array, Array],
+) -> tuple[Array, Array, Array]:
+    """One step of `find_leaves`: from the nodes of level `lvl` to their children."""
+    node, u, _ = carry
+    return _descend(_children(nodes, capacity, lvl, node), node, u)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def _find_levels(
+    nodes: Float[Array, " nodes"],
+    carry: tuple[Array, Array, Array],
+    capacity: int,
+    top: int,
+    split: int,
+) -> tuple[Array, Array, Array]:
+    """`_find_level` from level `top` down to `split + 1`, in a loop (see `_sum_levels`)."""
+    return jax.lax.fori_loop(
+        0, top - split, lambda i, c: _find_level(nodes, capacity, top - i, c), carry
+    )
+
+
 def find_leaves(
     tree: SumTree, values: Float[Array, " n"]
 ) -> tuple[Int[Array, " n"], Float[Array, " n"]]:
@@ -341,18 +381,13 @@ def find_leaves(
     if top == 0:  # capacity 1: the leaf is the root
         return zero.astype(jnp.int32), tree.total + zero
     split = _split(tree.capacity, tree.nodes.dtype.itemsize)
-
-    def step(lvl, carry):  # from the nodes of level `lvl` to their children
-        node, u, _ = carry
-        return _descend(_children(tree.nodes, tree.capacity, lvl, node), node, u)
-
     # From the root down the small top of the tree in a loop (`lvl` counts down from `top`
     # to `split + 1`), then one unrolled step per large level.
     carry = (zero.astype(jnp.int32), values + zero, zero)
     if split < top:
-        carry = jax.lax.fori_loop(0, top - split, lambda i, c: step(top - i, c), carry)
+        carry = _find_levels(tree.nodes, carry, tree.capacity, top, split)
     for lvl in range(split, 0, -1):
-        carry = step(lvl, carry)
+        carry = _find_level(tree.nodes, tree.capacity, lvl, carry)
     node, _, value = carry
     # Only an all-zero tree can end on padding past the last leaf (its value is then 0).
     return jnp.minimum(node, tree.capacity - 1), value
