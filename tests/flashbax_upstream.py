@@ -9,10 +9,11 @@ Then it runs pytest on that directory in a subprocess: the wheel's root conftest
 `tests/conftest.py` nor the settings in `pyproject.toml` must apply to flashbax's tests.
 
 Two selections: `all`, every test in scope (about an hour, by hand), and `ci`, the same but with
-two large parametrised sweeps cut to a fixed subset (see `ci_subset`), which
-`tests/test_flashbax_upstream.py` runs.
+two large parametrised sweeps cut to a fixed subset (see `ci_subset`), which `.ci/run` runs as
+a step of its own (several minutes: too long for the README's test command).
+`tests/test_flashbax_upstream.py` checks the pinned files and the selections.
 
-    python -m tests.flashbax_upstream [--all] [--keep DIR] [--target MODULE | --reference]
+    python -m tests.flashbax_upstream [--all] [-n N] [--keep DIR] [--target MODULE | --reference]
 
 `--reference` runs the shim over a copy of the installed flashbax itself, renamed, to check this
 harness and to time flashbax's own implementation.
@@ -135,6 +136,20 @@ OUT_OF_SCOPE = {
     "flashbax/buffers/prioritised_trajectory_buffer_test.py::test_human_case_1": "private helper",
     "flashbax/buffers/prioritised_trajectory_buffer_test.py::test_human_case_2": "private helper",
     "flashbax/buffers/prioritised_trajectory_buffer_test.py::test_human_case_3": "private helper",
+}
+
+
+# The wheel's tests that fail against the layer on purpose, where flashbax silently goes on with
+# garbage and the layer raises instead (docs/migration-flashbax.md lists these differences): the
+# reason, and a text the failure's message must hold. The harness checks that each fails, and
+# with that message: one that passes, or fails otherwise, is a failure of the run.
+DOCUMENTED_FAILURES = {
+    "flashbax/buffers/prioritised_flat_buffer_test.py::test_adjust_priorities": (
+        "it samples a prioritised flat buffer holding one step per row, so no pair of steps "
+        "yet: flashbax draws from its all-zero sum tree and returns a padding leaf (an index "
+        "past the capacity) with probability 0/0 = NaN, whose priority the test then sets",
+        "`PrioritisedTrajectoryBuffer.sample`: no window is admissible yet",
+    ),
 }
 
 
@@ -343,6 +358,7 @@ class Outcome:
     passed: int
     reported: int  # the cases pytest reported on
     failures: list[str] = field(default_factory=list)  # node id: first line of the message
+    documented: list[str] = field(default_factory=list)  # DOCUMENTED_FAILURES that failed so
     times: dict[str, float] = field(default_factory=dict, repr=False)  # node id: seconds
     returncode: int = 0
     seconds: float = 0.0
@@ -350,28 +366,39 @@ class Outcome:
 
     @property
     def ok(self) -> bool:
-        return self.returncode == 0 and self.passed == self.reported == self.expected
+        # pytest exits with 1 when a test fails, the documented failures included.
+        return (
+            not self.failures
+            and self.returncode in (0, 1)
+            and self.passed + len(self.documented) == self.reported == self.expected
+        )
 
     def report(self) -> str:
         lines = [
-            f"{self.passed} / {self.expected} in scope ({self.mode}) passed; pytest reported on "
+            f"{self.passed} / {self.expected} in scope ({self.mode}) passed, "
+            f"{len(self.documented)} failed as documented; pytest reported on "
             f"{self.reported} and exited with {self.returncode}; {self.seconds:.0f} s."
         ]
+        lines += [f"FAILED AS DOCUMENTED {node}" for node in self.documented]
         lines += [f"FAILED {failure}" for failure in self.failures]
         if not self.ok and self.output:
             lines.append(self.output[-6000:])
         return "\n".join(lines)
 
 
-def run(directory: Path, mode: str = "ci", capture: bool = True, **shim) -> Outcome:
+def run(
+    directory: Path, mode: str = "ci", capture: bool = True, workers: int = 0, **shim
+) -> Outcome:
     """Build the shim in `directory` (see `build`, which takes `shim`), run the selection in a
-    fresh interpreter and read back what pytest reports in its JUnit XML."""
+    fresh interpreter (with `workers` pytest-xdist processes if positive) and read back what
+    pytest reports in its JUnit XML."""
     build(directory, **shim)
     selected = select(mode)
     junit = directory / "junit.xml"
     command = [
         *(sys.executable, "-m", "pytest", *selected),
         *("-c", "pytest.ini", "--rootdir", ".", "-p", "no:cacheprovider", "-q"),
+        *(("-n", str(workers)) if workers > 0 else ()),
         f"--junitxml={junit}",
     ]
     start = time.perf_counter()
@@ -387,12 +414,19 @@ def run(directory: Path, mode: str = "ci", capture: bool = True, **shim) -> Outc
         # pytest writes the node id's path, dotted and without `.py`, as the classname.
         node = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
         outcome.times[node] = outcome.times.get(node, 0.0) + float(case.get("time", 0.0))
-        for problem in case:
-            if problem.tag in ("failure", "error", "skipped"):
-                message = (problem.get("message") or problem.tag).strip().splitlines() or [""]
-                problems.setdefault(node, []).append(f"{problem.tag}: {message[0]}")
+        documented = DOCUMENTED_FAILURES.get(node)
+        found = [p for p in case if p.tag in ("failure", "error", "skipped")]
+        if documented and [p.tag for p in found] == ["failure"]:
+            if documented[1] in f"{found[0].get('message')}\n{found[0].text}":
+                outcome.documented.append(node)
+                continue
+        elif documented and not found:
+            problems[node] = ["passed, but flashbax's behaviour here is documented to differ"]
+        for problem in found:
+            message = (problem.get("message") or problem.tag).strip().splitlines() or [""]
+            problems.setdefault(node, []).append(f"{problem.tag}: {message[0]}")
     outcome.reported = len(outcome.times)
-    outcome.passed = outcome.reported - len(problems)
+    outcome.passed = outcome.reported - len(problems) - len(outcome.documented)
     outcome.failures = [f"{node}: {'; '.join(found)}" for node, found in problems.items()]
     return outcome
 
@@ -403,6 +437,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--all", action="store_true", help="every case of the sweeps (an hour)")
     parser.add_argument("--keep", type=Path, help="build in this new or empty directory, kept")
+    parser.add_argument(
+        "-n", "--workers", type=int, default=0, help="pytest-xdist processes (default: none)"
+    )
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--target", default=TARGET, help=f"the package tested (default {TARGET})")
     group.add_argument(
@@ -412,7 +449,14 @@ def main(argv: list[str] | None = None) -> int:
     mode = "all" if args.all else "ci"
     with tempfile.TemporaryDirectory(prefix="flashbax_upstream_") as scratch:
         directory = args.keep or Path(scratch)
-        outcome = run(directory, mode, capture=False, target=args.target, reference=args.reference)
+        outcome = run(
+            directory,
+            mode,
+            capture=False,
+            workers=args.workers,
+            target=args.target,
+            reference=args.reference,
+        )
     print(outcome.report())
     return 0 if outcome.ok else 1
 

@@ -20,6 +20,7 @@ import sys
 import warnings
 
 import dejax_eqx as dx
+import dejax_eqx.compat.flashbax as fbx
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -550,7 +551,20 @@ def _exercise_every_fault_site() -> None:
         windows.stale(slots, slots)
         queue.add(batch).pop(1)
 
+    def flashbax_layer(key):
+        rollout = jax.tree.map(lambda x: jnp.stack([x, x])[:, None], item)  # [2 rows, 1 step]
+        traj = fbx.trajectory_buffer.init(item, 2, 4)
+        fbx.trajectory_buffer.sample(fbx.trajectory_buffer.add(traj, rollout), key, 2, 1, 1)
+        queue = fbx.trajectory_queue.init(item, 2, 4)
+        fbx.trajectory_queue.sample(fbx.trajectory_queue.add(queue, rollout), 1)
+        windows = fbx.prioritised_trajectory_buffer
+        state = windows.prioritised_init(item, 2, 4, 1)
+        state = windows.prioritised_add(state, rollout, 2, 1, "cpu")  # sets the window: 2
+        sample = windows.prioritised_sample(state, key, 2, 2, 1)
+        windows.set_priorities(state, sample.indices, jnp.ones(2), 0.6, "cpu")
+
     eqx.filter_eval_shape(run, buffers, jax.random.key(0))
+    eqx.filter_eval_shape(flashbax_layer, jax.random.key(0))
 
 
 def test_every_fault_message_is_collected(monkeypatch):

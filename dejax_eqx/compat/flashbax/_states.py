@@ -1,4 +1,5 @@
-"""flashbax 0.1.3's states and samples, as views of dejax_eqx's modules (WORK IN PROGRESS).
+"""flashbax 0.1.3's states and samples, as views of dejax_eqx's modules, and the check every
+`add` shares.
 
 Each state holds one dejax_eqx module (`module`, its only field, so the state's array leaves
 are exactly the module's) and computes flashbax's fields from it. Every field is written with
@@ -11,7 +12,28 @@ from typing import NamedTuple
 import equinox as eqx
 from jaxtyping import Array, Bool, Int, PyTree
 
-from ... import PrioritisedTrajectoryBuffer, TrajectoryBuffer, TrajectoryQueue
+from ... import TrajectoryBuffer
+from ..._checks import check_sequences
+
+
+def check_add(
+    trajectories: TrajectoryBuffer, batch: PyTree, call: str, what: str = "buffer"
+) -> PyTree:
+    """`batch` (leaves `[add_batch_size, T, ...]`), checked against the prototype as
+    `TrajectoryBuffer.extend` checks it, and to have one row per env and at most
+    `max_length_time_axis` steps, as flashbax requires (the module would keep the last ones)."""
+    batch, rows, length = check_sequences(trajectories.item_spec, batch, call)
+    if rows != trajectories.num_envs:
+        raise ValueError(
+            f"`{call}`: the batch has {rows} rows, but the {what} was initialised with "
+            f"add_batch_size = {trajectories.num_envs}; every add brings one sequence per row."
+        )
+    if length > trajectories.max_length:
+        raise ValueError(
+            f"`{call}`: {length} steps per row do not fit in max_length_time_axis = "
+            f"{trajectories.max_length} (flashbax refuses them too)."
+        )
+    return batch
 
 
 def _lock_step_count(trajectories: TrajectoryBuffer) -> Int[Array, "*d"]:
@@ -40,65 +62,8 @@ class TrajectoryBufferState(eqx.Module):
         return _lock_step_count(self.module) >= self.module.max_length
 
 
-class PrioritisedTrajectoryBufferState(eqx.Module):
-    """The state of flashbax's prioritised buffers: a `dx.PrioritisedTrajectoryBuffer`."""
-
-    module: PrioritisedTrajectoryBuffer
-
-    @property
-    def experience(self) -> PyTree[Array]:
-        return self.module.trajectories.data
-
-    @property
-    def current_index(self) -> Int[Array, "*d"]:
-        return _lock_step_count(self.module.trajectories) % self.module.trajectories.max_length
-
-    @property
-    def running_index(self) -> Int[Array, "*d"]:
-        return _lock_step_count(self.module.trajectories)
-
-    @property
-    def is_full(self) -> Bool[Array, "*d"]:
-        t = self.module.trajectories
-        return _lock_step_count(t) >= t.max_length
-
-    # TODO: sum_tree_state, a view with flashbax's node layout (root at index 0) and
-    # max_recorded_priority = priority_mass(max_priority, alpha).
-
-
-class TrajectoryQueueState(eqx.Module):
-    """The state of flashbax's trajectory queue: a `dx.TrajectoryQueue`."""
-
-    module: TrajectoryQueue
-
-    @property
-    def experience(self) -> PyTree[Array]:
-        return self.module.trajectories.data
-
-    @property
-    def write_index(self) -> Int[Array, "*d"]:
-        t = self.module.trajectories
-        return _lock_step_count(t) % t.max_length
-
-    @property
-    def read_index(self) -> Int[Array, "*d"]:
-        t = self.module.trajectories
-        return (_lock_step_count(t) - t.online_length[..., 0]) % t.max_length
-
-    @property
-    def is_full(self) -> Bool[Array, "*d"]:
-        t = self.module.trajectories
-        return t.online_length[..., 0] == t.max_length
-
-
 class TrajectoryBufferSample(eqx.Module):
     experience: PyTree[Array]
-
-
-class PrioritisedTrajectoryBufferSample(eqx.Module):
-    experience: PyTree[Array]
-    indices: Array
-    probabilities: Array
 
 
 class ExperiencePair(NamedTuple):
@@ -108,7 +73,3 @@ class ExperiencePair(NamedTuple):
 
 class TransitionSample(eqx.Module):
     experience: ExperiencePair
-
-
-class TrajectoryQueueSample(eqx.Module):
-    experience: PyTree[Array]

@@ -1,19 +1,22 @@
-"""flashbax 0.1.3's `trajectory_buffer`, on `dx.TrajectoryBuffer` used in lock-step (WIP).
+"""flashbax 0.1.3's `trajectory_buffer`, on a `dx.TrajectoryBuffer` used in lock-step.
 
-Not yet wired into a package (`__init__`s, the other modules, docs and tests are to come); see
-the closing note of issue 15's first part for the design.
+Row `i` of a batch is env `i`'s stream; an `add` of `[add_batch_size, T, ...]` is one
+`TrajectoryBuffer.extend`. The state is a view of the module (see `_states.py`).
 """
 
 import dataclasses
 import functools
 import warnings
 from collections.abc import Callable
+from typing import TypeVar
 
-import jax
+import jax.numpy as jnp
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from .... import TrajectoryBuffer as _Module
-from .._states import TrajectoryBufferSample, TrajectoryBufferState
+from ...._checks import check_faults
+from ...._sequences import draw_starts
+from .._states import check_add, TrajectoryBufferSample, TrajectoryBufferState
 
 
 def init(
@@ -25,12 +28,7 @@ def init(
 
 def add(state: TrajectoryBufferState, batch: PyTree) -> TrajectoryBufferState:
     """Append `batch` (leaves `[add_batch_size, T, ...]`, `T <= max_length_time_axis`)."""
-    lengths = {x.shape[1] for x in jax.tree.leaves(batch) if x.ndim >= 2}
-    if lengths and max(lengths) > state.module.max_length:
-        raise ValueError(
-            f"`trajectory_buffer.add`: {max(lengths)} steps per row do not fit in "
-            f"max_length_time_axis = {state.module.max_length} (flashbax refuses them too)."
-        )
+    batch = check_add(state.module, batch, "trajectory_buffer.add")
     return TrajectoryBufferState(state.module.extend(batch))
 
 
@@ -41,9 +39,28 @@ def sample(
     sequence_length: int,
     period: int,
 ) -> TrajectoryBufferSample:
-    """`batch_size` whole windows of `sequence_length` steps, uniformly, starts on `period`."""
-    out = state.module.sample(rng_key, batch_size, sequence_length, period=period, strict=True)
-    return TrajectoryBufferSample(experience=out.items)
+    """`batch_size` whole windows of `sequence_length` steps, drawn uniformly over the rows and
+    the starts `oldest + k * period` (as flashbax counts the period: from the oldest stored
+    step, which moves once the buffer wraps).
+
+    **Raises:** an `eqx.error_if` error if fewer than `sequence_length` steps are stored, where
+    flashbax returned windows of zeros (`can_sample` tells when sampling is possible).
+    """
+    call = "trajectory_buffer.sample"
+    module = state.module
+    windows = module._windows(call, sequence_length, 0, 0, period, True, "cross", None)
+    lengths = module.lengths()
+    # `draw_starts` admits the back distances `b ≡ phase (mod period)`; the start `count - b`
+    # is then `oldest + k * period` for `phase = lengths mod period`.
+    phase = lengths % period
+    starts = draw_starts(rng_key, lengths, phase, batch_size, windows.law, jnp.float32(1))
+    items = module._gather(starts.env, starts.back, starts.remaining, windows).items
+    fault = (
+        lengths[0] < sequence_length,
+        f"`{call}`: the buffer holds fewer than sequence_length = {sequence_length} steps "
+        "per row; sample once `can_sample` holds",
+    )
+    return TrajectoryBufferSample(experience=check_faults(items, [fault], order_reads=False))
 
 
 def can_sample(state: TrajectoryBufferState, min_length_time_axis: int) -> Array:
@@ -51,16 +68,27 @@ def can_sample(state: TrajectoryBufferState, min_length_time_axis: int) -> Array
     return state.is_full | (state.current_index >= min_length_time_axis)
 
 
+_B = TypeVar("_B", bound="TrajectoryBuffer")
+
+
 @dataclasses.dataclass(frozen=True)
 class TrajectoryBuffer:
-    """flashbax's container of pure functions."""
+    """flashbax's container of pure functions.
+
+    Beyond flashbax's fields, `sample_n(state, rng_key, batch_size)` is `sample` for any batch
+    size, which `make_mixer` uses to draw each buffer's exact share. `replace(sample=...)`
+    without a new `sample_n` drops it (`None`): it would no longer match `sample`.
+    """
 
     init: Callable
     add: Callable
     sample: Callable
     can_sample: Callable
+    sample_n: Callable | None = dataclasses.field(default=None, kw_only=True, repr=False)
 
-    def replace(self, **changes) -> "TrajectoryBuffer":
+    def replace(self: _B, **changes) -> _B:
+        if "sample" in changes:
+            changes.setdefault("sample_n", None)
         return dataclasses.replace(self, **changes)
 
 
@@ -107,4 +135,5 @@ def make_trajectory_buffer(
             period=period,
         ),
         can_sample=functools.partial(can_sample, min_length_time_axis=min_length_time_axis),
+        sample_n=functools.partial(sample, sequence_length=sample_sequence_length, period=period),
     )

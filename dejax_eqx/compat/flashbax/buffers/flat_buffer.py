@@ -1,0 +1,101 @@
+"""flashbax 0.1.3's `flat_buffer`: transitions `(first, second)` of consecutive steps.
+
+A flat buffer is a `trajectory_buffer` of `add_batch_size` rows (one row when items are added
+one at a time) and `max_length // add_batch_size` steps per row, sampled as whole windows of
+two steps: `experience.first` is a step and `experience.second` the next one of the same row.
+"""
+
+import jax
+
+from .._states import ExperiencePair, TrajectoryBufferState, TransitionSample
+from ..utils import add_dim_to_args
+from .trajectory_buffer import make_trajectory_buffer, TrajectoryBuffer
+
+
+def validate_sample_batch_size(sample_batch_size: int, max_length: int) -> None:
+    """flashbax's check that a sample fits in the buffer."""
+    if sample_batch_size > max_length:
+        raise ValueError("sample_batch_size must be less than or equal to max_length")
+
+
+def validate_flat_buffer_args(
+    max_length: int, min_length: int, sample_batch_size: int, add_batch_size: int
+) -> None:
+    """flashbax's checks of `make_flat_buffer`'s arguments, with flashbax's messages."""
+    validate_sample_batch_size(sample_batch_size, max_length)
+    if min_length // add_batch_size + 1 > max_length:
+        raise ValueError("min_length used is too large for the buffer size.")
+    if max_length // add_batch_size < 2:
+        raise ValueError(
+            "max_length//add_batch_size must be greater than 2. It is currently "
+            f"{max_length}//{add_batch_size} = {max_length // add_batch_size}"
+        )
+
+
+def create_flat_buffer(
+    max_length: int,
+    min_length: int,
+    sample_batch_size: int,
+    add_sequences: bool,
+    add_batch_size: int | None,
+) -> TrajectoryBuffer:
+    """See `make_flat_buffer`."""
+    add_batches = add_batch_size is not None
+    rows = 1 if add_batch_size is None else add_batch_size
+    validate_flat_buffer_args(max_length, min_length, sample_batch_size, rows)
+    buffer = make_trajectory_buffer(
+        add_batch_size=rows,
+        sample_batch_size=sample_batch_size,
+        sample_sequence_length=2,
+        period=1,
+        min_length_time_axis=min_length // rows + 1,
+        max_length_time_axis=max_length // rows,
+    )
+    add = buffer.add
+    if not add_batches:  # one row: give the batch its row axis
+        add = add_dim_to_args(add, axis=0, starting_arg_index=1, ending_arg_index=2)
+    if not add_sequences:  # one step per row: give it its time axis
+        add = add_dim_to_args(
+            add, axis=1 if add_batches else 0, starting_arg_index=1, ending_arg_index=2
+        )
+    sample_windows = buffer.sample_n
+    assert sample_windows is not None
+
+    def sample_n(state: TrajectoryBufferState, rng_key, batch_size: int) -> TransitionSample:
+        """`batch_size` pairs of consecutive steps, uniformly."""
+        windows = sample_windows(state, rng_key, batch_size).experience
+        return TransitionSample(
+            experience=ExperiencePair(
+                first=jax.tree.map(lambda x: x[:, 0], windows),
+                second=jax.tree.map(lambda x: x[:, 1], windows),
+            )
+        )
+
+    def sample(state: TrajectoryBufferState, rng_key) -> TransitionSample:
+        """`sample_batch_size` pairs of consecutive steps, uniformly."""
+        return sample_n(state, rng_key, sample_batch_size)
+
+    return buffer.replace(add=add, sample=sample, sample_n=sample_n)
+
+
+def make_flat_buffer(
+    max_length: int,
+    min_length: int,
+    sample_batch_size: int,
+    add_sequences: bool = False,
+    add_batch_size: int | None = None,
+) -> TrajectoryBuffer:
+    """flashbax's `make_flat_buffer`: a buffer of transitions, sampled as `ExperiencePair`s.
+
+    **Arguments** (flashbax's, with its defaults):
+
+    - `max_length`: the steps kept in all (`max_length // add_batch_size` per row).
+    - `min_length`: the steps added before `can_sample` is true.
+    - `sample_batch_size`: the pairs per `sample`.
+    - `add_sequences`: whether each `add` brings a sequence of steps per row (a time axis).
+    - `add_batch_size`: the rows each `add` brings (a leading axis), or `None` for one step
+        (or sequence) per `add`, without that axis.
+    """
+    return create_flat_buffer(
+        max_length, min_length, sample_batch_size, add_sequences, add_batch_size
+    )

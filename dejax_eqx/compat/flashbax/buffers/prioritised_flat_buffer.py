@@ -1,0 +1,98 @@
+"""flashbax 0.1.3's `prioritised_flat_buffer`: transitions `(first, second)` of consecutive
+steps, replayed by priority.
+
+A prioritised flat buffer is a `prioritised_trajectory_buffer` of `add_batch_size` rows (one row
+when steps are added one at a time) and `max_length // add_batch_size` steps per row, whose
+items are the windows of two steps starting at every step: `experience.first` is a step and
+`experience.second` the next one of the same row.
+"""
+
+import equinox as eqx
+import jax
+from jaxtyping import Array, Float, Int
+
+from .._states import ExperiencePair
+from ..utils import add_dim_to_args
+from .flat_buffer import validate_flat_buffer_args
+from .prioritised_trajectory_buffer import (
+    make_prioritised_trajectory_buffer,
+    PrioritisedTrajectoryBuffer,
+    PrioritisedTrajectoryBufferState,
+)
+
+
+class PrioritisedTransitionSample(eqx.Module):
+    """Sampled transitions, their sum-tree leaves (for `set_priorities`) and the probability of
+    drawing each."""
+
+    experience: ExperiencePair
+    indices: Int[Array, "*batch"]
+    probabilities: Float[Array, "*batch"]
+
+
+def make_prioritised_flat_buffer(
+    max_length: int,
+    min_length: int,
+    sample_batch_size: int,
+    add_sequences: bool = False,
+    add_batch_size: int | None = None,
+    priority_exponent: float = 0.6,
+    device: str = "cpu",
+) -> PrioritisedTrajectoryBuffer:
+    """flashbax's `make_prioritised_flat_buffer`: a buffer of transitions, sampled by priority
+    as `ExperiencePair`s.
+
+    **Arguments** (flashbax's, with its defaults):
+
+    - `max_length`: the steps kept in all (`max_length // add_batch_size` per row).
+    - `min_length`: the steps added before `can_sample` is true.
+    - `sample_batch_size`: the pairs per `sample`.
+    - `add_sequences`: whether each `add` brings a sequence of steps per row (a time axis).
+    - `add_batch_size`: the rows each `add` brings (a leading axis), or `None` for one step
+        (or sequence) per `add`, without that axis.
+    - `priority_exponent`: `α` in `[0, 1]`; a transition is drawn with probability
+        `p ** α / Σ p ** α`.
+    - `device`: accepted and checked, not used.
+    """
+    add_batches = add_batch_size is not None
+    rows = 1 if add_batch_size is None else add_batch_size
+    validate_flat_buffer_args(max_length, min_length, sample_batch_size, rows)
+    buffer = make_prioritised_trajectory_buffer(
+        add_batch_size=rows,
+        sample_batch_size=sample_batch_size,
+        sample_sequence_length=2,
+        period=1,
+        min_length_time_axis=min_length // rows + 1,
+        max_length_time_axis=max_length // rows,
+        priority_exponent=priority_exponent,
+        device=device,
+    )
+    add = buffer.add
+    if not add_batches:  # one row: give the batch its row axis
+        add = add_dim_to_args(add, axis=0, starting_arg_index=1, ending_arg_index=2)
+    if not add_sequences:  # one step per row: give it its time axis
+        add = add_dim_to_args(
+            add, axis=1 if add_batches else 0, starting_arg_index=1, ending_arg_index=2
+        )
+    sample_windows = buffer.sample_n
+    assert sample_windows is not None
+
+    def sample_n(
+        state: PrioritisedTrajectoryBufferState, rng_key, batch_size: int
+    ) -> PrioritisedTransitionSample:
+        """`batch_size` pairs of consecutive steps, by priority."""
+        windows = sample_windows(state, rng_key, batch_size)
+        return PrioritisedTransitionSample(
+            experience=ExperiencePair(
+                first=jax.tree.map(lambda x: x[:, 0], windows.experience),
+                second=jax.tree.map(lambda x: x[:, 1], windows.experience),
+            ),
+            indices=windows.indices,
+            probabilities=windows.probabilities,
+        )
+
+    def sample(state: PrioritisedTrajectoryBufferState, rng_key) -> PrioritisedTransitionSample:
+        """`sample_batch_size` pairs of consecutive steps, by priority."""
+        return sample_n(state, rng_key, sample_batch_size)
+
+    return buffer.replace(add=add, sample=sample, sample_n=sample_n)

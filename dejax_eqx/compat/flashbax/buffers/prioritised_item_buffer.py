@@ -1,0 +1,108 @@
+"""flashbax 0.1.3's `prioritised_item_buffer`: independent items, replayed by priority.
+
+A prioritised item buffer is a `prioritised_trajectory_buffer` of one row of `max_length` steps
+whose items are the windows of one step, returned without their time axis. A batch `[B, T,
+...]` is added as `B * T` items in row-major order, as flashbax does.
+"""
+
+import jax
+
+from ..utils import add_dim_to_args, get_tree_shape_prefix
+from .item_buffer import validate_item_buffer_args
+from .prioritised_trajectory_buffer import (
+    make_prioritised_trajectory_buffer,
+    PrioritisedTrajectoryBuffer,
+    PrioritisedTrajectoryBufferSample,
+    PrioritisedTrajectoryBufferState,
+)
+
+
+def create_prioritised_item_buffer(
+    max_length: int,
+    min_length: int,
+    sample_batch_size: int,
+    add_sequences: bool,
+    add_batches: bool,
+    priority_exponent: float,
+    device: str,
+) -> PrioritisedTrajectoryBuffer:
+    """See `make_prioritised_item_buffer`."""
+    validate_item_buffer_args(max_length, min_length, sample_batch_size)
+    buffer = make_prioritised_trajectory_buffer(
+        add_batch_size=1,
+        sample_batch_size=sample_batch_size,
+        sample_sequence_length=1,
+        period=1,
+        min_length_time_axis=min_length,
+        max_length_time_axis=max_length,
+        priority_exponent=priority_exponent,
+        device=device,
+    )
+    add_row = buffer.add
+
+    def add(state: PrioritisedTrajectoryBufferState, batch) -> PrioritisedTrajectoryBufferState:
+        """Add a `[B, T, ...]` batch as `B * T` items, in row-major order."""
+        b, t = get_tree_shape_prefix(batch, n_axes=2)
+        return add_row(state, jax.tree.map(lambda x: x.reshape(1, b * t, *x.shape[2:]), batch))
+
+    if not add_batches:
+        add = add_dim_to_args(add, axis=0, starting_arg_index=1, ending_arg_index=2)
+    if not add_sequences:
+        add = add_dim_to_args(
+            add, axis=1 if add_batches else 0, starting_arg_index=1, ending_arg_index=2
+        )
+    sample_windows = buffer.sample_n
+    assert sample_windows is not None
+
+    def sample_n(
+        state: PrioritisedTrajectoryBufferState, rng_key, batch_size: int
+    ) -> PrioritisedTrajectoryBufferSample:
+        """`batch_size` items, by priority."""
+        windows = sample_windows(state, rng_key, batch_size)
+        return PrioritisedTrajectoryBufferSample(
+            experience=jax.tree.map(lambda x: x[:, 0], windows.experience),
+            indices=windows.indices,
+            probabilities=windows.probabilities,
+        )
+
+    def sample(
+        state: PrioritisedTrajectoryBufferState, rng_key
+    ) -> PrioritisedTrajectoryBufferSample:
+        """`sample_batch_size` items, by priority."""
+        return sample_n(state, rng_key, sample_batch_size)
+
+    return buffer.replace(add=add, sample=sample, sample_n=sample_n)
+
+
+def make_prioritised_item_buffer(
+    max_length: int,
+    min_length: int,
+    sample_batch_size: int,
+    add_sequences: bool = False,
+    add_batches: bool = False,
+    priority_exponent: float = 0.6,
+    device: str = "cpu",
+) -> PrioritisedTrajectoryBuffer:
+    """flashbax's `make_prioritised_item_buffer`: a buffer of independent items, sampled by
+    priority.
+
+    **Arguments** (flashbax's, with its defaults):
+
+    - `max_length`: the items kept.
+    - `min_length`: the items added before `can_sample` is true.
+    - `sample_batch_size`: the items per `sample`.
+    - `add_sequences`: whether each `add` brings a time axis of items.
+    - `add_batches`: whether each `add` brings a leading batch axis of items.
+    - `priority_exponent`: `α` in `[0, 1]`; an item is drawn with probability
+        `p ** α / Σ p ** α`.
+    - `device`: accepted and checked, not used.
+    """
+    return create_prioritised_item_buffer(
+        max_length,
+        min_length,
+        sample_batch_size,
+        add_sequences,
+        add_batches,
+        priority_exponent,
+        device,
+    )

@@ -1,0 +1,387 @@
+"""flashbax 0.1.3's `prioritised_trajectory_buffer`, on `dx.PrioritisedTrajectoryBuffer` used in
+lock-step.
+
+An item is a window of `sample_sequence_length` steps of one row whose start is a multiple of
+`period` in the row's step count; its sum-tree leaf is `row * (max_length_time_axis // period) +
+(start // period) % (max_length_time_axis // period)`. When `period` divides
+`max_length_time_axis` (always, through `make_prioritised_trajectory_buffer`), that is flashbax's
+item index, and a window starts where flashbax's may; otherwise (`prioritised_init` alone)
+flashbax aligns starts to the ring's slots, and here to the row's step count. Windows are drawn
+stratified, with probability `p ** α / Σ p ** α`. A window enters when its last step is added,
+with the largest priority recorded so far, and leaves (priority 0) when its first step is
+overwritten.
+
+The window length is fixed per state: `prioritised_init` has no `sample_sequence_length`, so its
+state takes it from the first `prioritised_add` or `prioritised_sample` (an empty state may
+change it; a state holding steps may not). The buffers made by
+`make_prioritised_trajectory_buffer` have it from `init` on.
+"""
+
+import dataclasses
+import functools
+import warnings
+from collections.abc import Callable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, Integer, PRNGKeyArray, PyTree, Real
+
+from .... import PrioritisedTrajectoryBuffer as _Module
+from ...._checks import check_faults, Prototype
+from .._states import _lock_step_count, check_add
+from .sum_tree import SumTreeState
+from .trajectory_buffer import can_sample, make_trajectory_buffer, TrajectoryBuffer
+
+
+__all__ = [
+    "PrioritisedTrajectoryBuffer",
+    "PrioritisedTrajectoryBufferSample",
+    "PrioritisedTrajectoryBufferState",
+    "can_sample",
+    "make_prioritised_trajectory_buffer",
+    "prioritised_add",
+    "prioritised_init",
+    "prioritised_sample",
+    "set_priorities",
+]
+
+# The exponent of a state made by `prioritised_init`, until `set_priorities` names one. Until
+# then every priority is `max_priority = 1`, whose mass is 1 for every exponent.
+_DEFAULT_EXPONENT = 0.6
+
+
+class PrioritisedTrajectoryBufferState(eqx.Module):
+    """The state of flashbax's prioritised buffers: a `dx.PrioritisedTrajectoryBuffer`."""
+
+    module: _Module
+
+    @property
+    def experience(self) -> PyTree[Array]:
+        """The slots, leaves `[add_batch_size, max_length_time_axis, ...]`."""
+        return self.module.trajectories.data
+
+    @property
+    def running_index(self) -> Int[Array, "*d"]:
+        """The steps added to each row so far (never wrapped)."""
+        return _lock_step_count(self.module.trajectories)
+
+    @property
+    def current_index(self) -> Int[Array, "*d"]:
+        """The time index the next add writes."""
+        return self.running_index % self.module.trajectories.max_length
+
+    @property
+    def is_full(self) -> Bool[Array, "*d"]:
+        """Whether every slot has been written."""
+        return self.running_index >= self.module.trajectories.max_length
+
+    @property
+    def sum_tree_state(self) -> SumTreeState:
+        """The priorities, as flashbax's sum tree (a read-only view)."""
+        m = self.module
+        return SumTreeState(m.tree, m.max_priority, m.priority_exponent)
+
+
+class PrioritisedTrajectoryBufferSample(eqx.Module):
+    """Sampled windows (leaves `[batch, sequence_length, ...]`), their sum-tree leaves (the
+    `indices` that `set_priorities` takes) and the probability of drawing each."""
+
+    experience: PyTree[Array]
+    indices: Int[Array, "*batch"]
+    probabilities: Float[Array, "*batch"]
+
+
+def _build(
+    spec: Prototype,
+    add_batch_size: int,
+    max_length_time_axis: int,
+    window: int,
+    period: int,
+    priority_exponent: float,
+    dtype=jnp.float32,
+) -> _Module:
+    return _Module(
+        spec,
+        add_batch_size,
+        max_length_time_axis,
+        window,
+        period=period,
+        priority_exponent=priority_exponent,
+        stratified=True,
+        dtype=dtype,
+    )
+
+
+def _configured(
+    module: _Module,
+    call: str,
+    *,
+    window: int | None = None,
+    period: int | None = None,
+    priority_exponent: float | None = None,
+) -> _Module:
+    """`module` with the window and exponent asked for (static fields, so a module of the
+    same leaves under another tree structure). The period cannot change; the window only while
+    the buffer is empty."""
+    if period is not None and period != module.period:
+        raise ValueError(
+            f"`{call}`: period = {period}, but this state was initialised with period = "
+            f"{module.period}; its sum tree has one leaf per period-aligned start. Pass the "
+            "period given to `prioritised_init`."
+        )
+    new_window = module.window if window is None else window
+    new_exponent = (
+        module.priority_exponent if priority_exponent is None else float(priority_exponent)
+    )
+    if new_window == module.window and new_exponent == module.priority_exponent:
+        return module
+    t = module.trajectories
+    try:
+        template = jax.eval_shape(
+            lambda: _build(
+                t.item_spec,
+                t.num_envs,
+                t.max_length,
+                new_window,
+                module.period,
+                new_exponent,
+                module.max_priority.dtype,
+            )
+        )
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"`{call}`: {err}") from err
+    new = jax.tree.unflatten(jax.tree.structure(template), jax.tree.leaves(module))
+    if new_window == module.window:
+        return new
+    step_count = check_faults(
+        new.trajectories.step_count,
+        [
+            (
+                t.step_count > 0,
+                f"`{call}`: sample_sequence_length = {new_window}, but this state already holds "
+                f"steps added with sample_sequence_length = {module.window}; the windows a "
+                "state prioritises have one length, fixed by its first add. Use the same "
+                "sample_sequence_length for every add and sample of a state",
+            )
+        ],
+    )
+    return eqx.tree_at(lambda b: b.trajectories.step_count, new, step_count)
+
+
+def prioritised_init(
+    experience: PyTree, add_batch_size: int, max_length_time_axis: int, period: int
+) -> PrioritisedTrajectoryBufferState:
+    """An empty state: `add_batch_size` rows of `max_length_time_axis` steps, one sum-tree leaf
+    per `period` steps of each row.
+
+    The window length is not known yet: the first `prioritised_add` (or `prioritised_sample`)
+    sets it from its `sample_sequence_length`.
+    """
+    # A placeholder window: `period` steps always fit the module's checks (at most
+    # max_length, and longer than max_length mod period).
+    module = _build(
+        experience, add_batch_size, max_length_time_axis, period, period, _DEFAULT_EXPONENT
+    )
+    return PrioritisedTrajectoryBufferState(module)
+
+
+def _make_init(
+    experience: PyTree,
+    add_batch_size: int,
+    max_length_time_axis: int,
+    period: int,
+    sample_sequence_length: int,
+    priority_exponent: float,
+) -> PrioritisedTrajectoryBufferState:
+    """`prioritised_init` with the window and exponent known (`make_prioritised_...`)."""
+    module = _build(
+        experience,
+        add_batch_size,
+        max_length_time_axis,
+        sample_sequence_length,
+        period,
+        priority_exponent,
+    )
+    return PrioritisedTrajectoryBufferState(module)
+
+
+def prioritised_add(
+    state: PrioritisedTrajectoryBufferState,
+    batch: PyTree,
+    sample_sequence_length: int,
+    period: int,
+    device: str,
+) -> PrioritisedTrajectoryBufferState:
+    """Append `batch` (leaves `[add_batch_size, T, ...]`, `T <= max_length_time_axis`) to the
+    rows, and update the priorities of the windows that enter or leave. `device` is accepted
+    for flashbax's signature and not used."""
+    call = "prioritised_trajectory_buffer.prioritised_add"
+    batch = check_add(state.module.trajectories, batch, call)
+    module = _configured(state.module, call, window=sample_sequence_length, period=period)
+    return PrioritisedTrajectoryBufferState(module.extend(batch))
+
+
+def prioritised_sample(
+    state: PrioritisedTrajectoryBufferState,
+    rng_key: PRNGKeyArray,
+    batch_size: int,
+    sequence_length: int,
+    period: int,
+) -> PrioritisedTrajectoryBufferSample:
+    """`batch_size` windows of `sequence_length` steps, drawn stratified in proportion to
+    `priority ** α`, with their sum-tree leaves and probabilities.
+
+    **Raises:** an `eqx.error_if` error if no window is stored yet (flashbax returns zeros).
+    """
+    call = "prioritised_trajectory_buffer.prioritised_sample"
+    module = _configured(state.module, call, window=sequence_length, period=period)
+    out = module.sample(rng_key, batch_size)
+    return PrioritisedTrajectoryBufferSample(
+        experience=out.sample.items, indices=out.indices, probabilities=out.probabilities
+    )
+
+
+def set_priorities(
+    state: PrioritisedTrajectoryBufferState,
+    indices: Integer[ArrayLike, " n"],
+    priorities: Real[ArrayLike, " n"],
+    priority_exponent: float,
+    device: str,
+) -> PrioritisedTrajectoryBufferState:
+    """Set the priorities of the windows at sum-tree leaves `indices` (a sample's `indices`);
+    each leaf gets `priority ** priority_exponent`. Of repeated indices the last wins. An index
+    whose window has left the buffer (its first step overwritten) and whose leaf holds no newer
+    window yet is dropped. `device` is accepted for flashbax's signature and not used.
+
+    **Raises:** an `eqx.error_if` error for an index outside `[0, capacity)` or whose leaf
+    never held a window, or a priority that is negative, infinite or NaN.
+    """
+    call = "prioritised_trajectory_buffer.set_priorities"
+    module = _configured(state.module, call, priority_exponent=priority_exponent)
+    indices = jnp.asarray(indices)
+    if not jnp.issubdtype(indices.dtype, jnp.integer):
+        raise TypeError(
+            f"`{call}(indices=...)` must be integer sum-tree leaf indices (a sample's "
+            f"`indices`), got dtype {indices.dtype}."
+        )
+    indices = indices.reshape(-1).astype(jnp.int32)
+    priorities = jnp.reshape(jnp.asarray(priorities), -1)
+    k = module.slots_per_env
+    t = module.trajectories
+    env, slot = indices // k, indices % k
+    count = jnp.take(t.step_count, env, mode="clip")
+    start = module._latest_start(count, slot)
+    bad = (indices < 0) | (indices >= module.tree.capacity) | (start < 0)
+    env, start = check_faults(
+        (env, start),
+        [
+            (
+                bad,
+                f"`{call}`: an index names no window: indices must be sum-tree leaves in "
+                f"[0, {module.tree.capacity}) whose window has been stored, as `sample` "
+                "returns them",
+            )
+        ],
+    )
+    return PrioritisedTrajectoryBufferState(module.set_priorities(env, start, priorities))
+
+
+@dataclasses.dataclass(frozen=True)
+class PrioritisedTrajectoryBuffer(TrajectoryBuffer):
+    """flashbax's container of pure functions, with `set_priorities(state, indices,
+    priorities)`."""
+
+    set_priorities: Callable
+
+
+def validate_priority_exponent(priority_exponent: float) -> None:
+    """flashbax's check: `0 <= priority_exponent <= 1`."""
+    if not 0 <= priority_exponent <= 1:
+        raise ValueError(f"priority_exponent must be in [0, 1], got {priority_exponent}.")
+
+
+def validate_device(device: str) -> bool:
+    """Whether `device` is one of flashbax's names ('cpu', 'gpu', 'tpu'); warns if not.
+
+    flashbax picks its sum-tree update by device; dejax_eqx has one, so the name is only
+    checked."""
+    if device in ("cpu", "gpu", "tpu"):
+        return True
+    warnings.warn(
+        f"device must be 'cpu', 'gpu' or 'tpu', got {device!r}; it is ignored (dejax_eqx "
+        "uses one implementation on every device).",
+        stacklevel=2,
+    )
+    return False
+
+
+def make_prioritised_trajectory_buffer(
+    add_batch_size: int,
+    sample_batch_size: int,
+    sample_sequence_length: int,
+    period: int,
+    min_length_time_axis: int,
+    max_size: int | None = None,
+    max_length_time_axis: int | None = None,
+    priority_exponent: float = 0.6,
+    device: str = "cpu",
+) -> PrioritisedTrajectoryBuffer:
+    """flashbax's `make_prioritised_trajectory_buffer`, same arguments and defaults.
+
+    As flashbax does, `max_length_time_axis` (or `max_size // add_batch_size`) is cut down to a
+    multiple of `period`, with a printed note when that loses capacity. `device` is only
+    checked (see `validate_device`).
+    """
+    # The trajectory buffer's checks and warnings, and its `can_sample` (which raises
+    # min_length_time_axis to sample_sequence_length), are the same as flashbax's here.
+    base = make_trajectory_buffer(
+        add_batch_size=add_batch_size,
+        sample_batch_size=sample_batch_size,
+        sample_sequence_length=sample_sequence_length,
+        period=period,
+        min_length_time_axis=min_length_time_axis,
+        max_size=max_size,
+        max_length_time_axis=max_length_time_axis,
+    )
+    validate_priority_exponent(priority_exponent)
+    validate_device(device)
+    if max_size is not None:
+        max_length_time_axis = max_size // add_batch_size
+    assert max_length_time_axis is not None  # checked by make_trajectory_buffer
+    aligned = max_length_time_axis - max_length_time_axis % period
+    if aligned != max_length_time_axis:
+        print(
+            f"max_length_time_axis = {max_length_time_axis} is not a multiple of period = "
+            f"{period}: using {aligned}, {(max_length_time_axis - aligned) * add_batch_size} "
+            "fewer steps in all."
+        )
+    return PrioritisedTrajectoryBuffer(
+        init=functools.partial(
+            _make_init,
+            add_batch_size=add_batch_size,
+            max_length_time_axis=aligned,
+            period=period,
+            sample_sequence_length=sample_sequence_length,
+            priority_exponent=priority_exponent,
+        ),
+        add=functools.partial(
+            prioritised_add,
+            sample_sequence_length=sample_sequence_length,
+            period=period,
+            device=device,
+        ),
+        sample=functools.partial(
+            prioritised_sample,
+            batch_size=sample_batch_size,
+            sequence_length=sample_sequence_length,
+            period=period,
+        ),
+        sample_n=functools.partial(
+            prioritised_sample, sequence_length=sample_sequence_length, period=period
+        ),
+        can_sample=base.can_sample,
+        set_priorities=functools.partial(
+            set_priorities, priority_exponent=priority_exponent, device=device
+        ),
+    )

@@ -1,0 +1,241 @@
+"""flashbax 0.1.3's `trajectory_queue`, on `dx.TrajectoryQueue` used in lock-step.
+
+Every row (env) of the queue holds a stream of at most `max_length_time_axis` unread steps;
+`sample` returns the oldest `sample_sequence_length` unread steps of every row and removes
+them, so each step is read once, in order. flashbax's ring indices are computed from the
+module: the write index is the step count modulo the length, the read index lies `unread`
+steps behind it.
+
+Stricter than flashbax: an `add` that would overwrite unread steps, and a `sample` of more
+steps than are unread, raise (an `eqx.error_if` error, eagerly and under `jit` alike) where
+flashbax overwrote them or returned stale steps; `can_add` and `can_sample` tell beforehand.
+"""
+
+import dataclasses
+import functools
+import warnings
+from collections.abc import Callable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Int, PyTree
+
+from .... import TrajectoryQueue as _Module
+from ...._checks import check_faults, check_positive_int
+from .._states import check_add
+
+
+class TrajectoryQueueState(eqx.Module):
+    """The state of flashbax's trajectory queue: a `dx.TrajectoryQueue`.
+
+    Its fields are those of flashbax's state, computed from the module (`module`, the only
+    field). Each reads one row: compat adds are lock-step, so all rows agree.
+    """
+
+    module: _Module
+
+    @property
+    def experience(self) -> PyTree[Array]:
+        """The slots, leaves `[add_batch_size, max_length_time_axis, ...]`."""
+        return self.module.trajectories.data
+
+    @property
+    def write_index(self) -> Int[Array, "*d"]:
+        """The time index the next add writes."""
+        return _step_count(self) % self.module.max_length
+
+    @property
+    def read_index(self) -> Int[Array, "*d"]:
+        """The time index of the oldest unread step (the next `sample` starts there)."""
+        return (_step_count(self) - _unread(self)) % self.module.max_length
+
+    @property
+    def is_full(self) -> Bool[Array, "*d"]:
+        """Whether every slot holds an unread step."""
+        return _unread(self) == self.module.max_length
+
+
+class TrajectoryQueueSample(eqx.Module):
+    """What `sample` returns: `experience`, leaves `[add_batch_size, sequence_length, ...]`."""
+
+    experience: PyTree[Array]
+
+
+# `[..., 0]` rather than `[0]`: the same fields then read a stack of states, as `pmap` returns.
+def _step_count(state: TrajectoryQueueState) -> Int[Array, "*d"]:
+    return state.module.trajectories.step_count[..., 0]
+
+
+def _unread(state: TrajectoryQueueState) -> Int[Array, "*d"]:
+    return state.module.unread[..., 0]
+
+
+def _check_length(state: TrajectoryQueueState, max_length_time_axis: int, call: str) -> None:
+    if max_length_time_axis != state.module.max_length:
+        raise ValueError(
+            f"`trajectory_queue.{call}`: max_length_time_axis = {max_length_time_axis}, but the "
+            f"state's queue holds {state.module.max_length} steps per row; pass the length the "
+            "state was initialised with."
+        )
+
+
+def init(
+    experience: PyTree, add_batch_size: int, max_length_time_axis: int
+) -> TrajectoryQueueState:
+    """An empty queue of `add_batch_size` rows of at most `max_length_time_axis` unread steps;
+    `experience` is one step, whose structure, shapes and dtypes the queue takes."""
+    return TrajectoryQueueState(_Module(experience, add_batch_size, max_length_time_axis))
+
+
+def _guarded(module: _Module, fault: Bool[Array, ""], message: str) -> _Module:
+    """`module`, with its unread counts behind a check of `fault` (small arrays: the check
+    never copies the storage). The module checks the same fault itself; this one names
+    flashbax's functions in its message."""
+    unread = check_faults(module.unread, [(fault, message)])
+    return eqx.tree_at(lambda q: q.trajectories.online_length, module, unread)
+
+
+def add(state: TrajectoryQueueState, batch: PyTree) -> TrajectoryQueueState:
+    """Append `batch` (leaves `[add_batch_size, T, ...]`, oldest step first) to every row.
+
+    **Raises:** `ValueError` at once if `T > max_length_time_axis`; an `eqx.error_if` error if
+    a row has fewer than `T` free slots, so that the add would overwrite unread steps (where
+    flashbax overwrote them). `can_add` tells whether an add fits.
+    """
+    call = "trajectory_queue.add"
+    module = state.module
+    m = module.max_length
+    batch = check_add(module.trajectories, batch, call, "queue")
+    length = jax.tree.leaves(batch)[0].shape[1]
+    module = _guarded(
+        module,
+        jnp.any(module.unread > m - length),
+        f"`{call}`: a row holds more than {m - length} unread steps, so {length} more would "
+        "overwrite unread ones (flashbax overwrote them); add once `can_add` holds (sample "
+        "to make room)",
+    )
+    return TrajectoryQueueState(module.extend(batch))
+
+
+def sample(
+    state: TrajectoryQueueState, sequence_length: int
+) -> tuple[TrajectoryQueueState, TrajectoryQueueSample]:
+    """Remove and return the oldest `sequence_length` unread steps of every row.
+
+    **Returns:** `(state, sample)`, `sample.experience` with leaves
+    `[add_batch_size, sequence_length, ...]`, oldest step first.
+
+    **Raises:** `ValueError` at once if `sequence_length` is not in `[1,
+    max_length_time_axis]`; an `eqx.error_if` error if a row holds fewer than
+    `sequence_length` unread steps (where flashbax returned stale steps). `can_sample` tells
+    whether they are there.
+    """
+    call = "trajectory_queue.sample"
+    module = state.module
+    length = check_positive_int(
+        sequence_length, f"{call}(sequence_length=...)", maximum=module.max_length
+    )
+    module = _guarded(
+        module,
+        jnp.any(module.unread < length),
+        f"`{call}`: a row holds fewer than {length} unread steps; sample once `can_sample` holds",
+    )
+    steps, module = module.pop(length)
+    return TrajectoryQueueState(module), TrajectoryQueueSample(experience=steps)
+
+
+def can_add(
+    state: TrajectoryQueueState, add_sequence_length: int, max_length_time_axis: int
+) -> Bool[Array, "*d"]:
+    """Whether `add_sequence_length` more steps fit without overwriting unread ones."""
+    _check_length(state, max_length_time_axis, "can_add")
+    return _unread(state) <= max_length_time_axis - add_sequence_length
+
+
+def can_sample(
+    state: TrajectoryQueueState, sample_sequence_length: int, max_length_time_axis: int
+) -> Bool[Array, "*d"]:
+    """Whether at least `sample_sequence_length` steps are unread."""
+    _check_length(state, max_length_time_axis, "can_sample")
+    return _unread(state) >= sample_sequence_length
+
+
+@dataclasses.dataclass(frozen=True)
+class TrajectoryQueue:
+    """flashbax's container of pure functions for a trajectory queue: `init(experience)`,
+    `add(state, batch)`, `sample(state) -> (state, sample)`, `can_sample(state)` and
+    `can_add(state)`."""
+
+    init: Callable
+    add: Callable
+    sample: Callable
+    can_sample: Callable
+    can_add: Callable
+
+    def replace(self, **changes) -> "TrajectoryQueue":
+        return dataclasses.replace(self, **changes)
+
+
+def validate_trajectory_queue_args(
+    max_length_time_axis: int,
+    add_batch_size: int,
+    sample_sequence_length: int,
+    max_size: int | None,
+) -> None:
+    """flashbax's checks of `make_trajectory_queue`'s arguments: warns that `max_size`, when
+    given, sets `max_length_time_axis`, and refuses samples longer than the queue."""
+    if max_size is not None:
+        max_length_time_axis = max_size // add_batch_size
+        warnings.warn(
+            f"`max_size` = {max_size} sets max_length_time_axis = max_size // add_batch_size = "
+            f"{max_length_time_axis}, in place of the `max_length_time_axis` argument.",
+            stacklevel=3,
+        )
+    if sample_sequence_length > max_length_time_axis:
+        raise ValueError(
+            f"`sample_sequence_length` = {sample_sequence_length} must be at most "
+            f"`max_length_time_axis` = {max_length_time_axis}: a row never holds more steps."
+        )
+
+
+def make_trajectory_queue(
+    max_length_time_axis: int,
+    add_batch_size: int,
+    add_sequence_length: int,
+    sample_sequence_length: int,
+    max_size: int | None = None,
+) -> TrajectoryQueue:
+    """flashbax's `make_trajectory_queue`: a consume-once queue of trajectories.
+
+    **Arguments** (flashbax's, with its defaults):
+
+    - `max_length_time_axis`: the most unread steps each row holds.
+    - `add_batch_size`: the rows; each `add` brings one sequence per row.
+    - `add_sequence_length`: the steps per row of each `add`, which `can_add` checks room for.
+    - `sample_sequence_length`: the steps per row each `sample` removes and returns.
+    - `max_size`: if given, the steps kept in all; it sets `max_length_time_axis` to
+        `max_size // add_batch_size` (with a warning).
+    """
+    validate_trajectory_queue_args(
+        max_length_time_axis, add_batch_size, sample_sequence_length, max_size
+    )
+    if max_size is not None:
+        max_length_time_axis = max_size // add_batch_size
+    return TrajectoryQueue(
+        init=functools.partial(
+            init, add_batch_size=add_batch_size, max_length_time_axis=max_length_time_axis
+        ),
+        add=add,
+        sample=functools.partial(sample, sequence_length=sample_sequence_length),
+        can_sample=functools.partial(
+            can_sample,
+            sample_sequence_length=sample_sequence_length,
+            max_length_time_axis=max_length_time_axis,
+        ),
+        can_add=functools.partial(
+            can_add,
+            add_sequence_length=add_sequence_length,
+            max_length_time_axis=max_length_time_axis,
+        ),
+    )

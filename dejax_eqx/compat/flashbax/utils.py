@@ -1,0 +1,59 @@
+"""flashbax 0.1.3's `flashbax.utils`: the helpers user code calls on states and functions."""
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, PyTree
+
+
+def get_tree_shape_prefix(tree: PyTree[Array], n_axes: int = 1) -> tuple[int, ...]:
+    """The sizes of the first `n_axes` axes, which every leaf of `tree` must share."""
+    leaves = jax.tree.leaves(tree)
+    if not leaves:
+        raise ValueError("`get_tree_shape_prefix`: the tree has no array leaves.")
+    prefix = tuple(jnp.shape(leaves[0])[:n_axes])
+    if len(prefix) < n_axes or any(tuple(jnp.shape(x)[:n_axes]) != prefix for x in leaves):
+        shapes = [jnp.shape(x) for x in leaves]
+        raise ValueError(
+            f"`get_tree_shape_prefix`: the leaves do not share {n_axes} leading axes: {shapes}."
+        )
+    return prefix
+
+
+def add_dim_to_args(
+    func: Callable,
+    axis: int = 1,
+    starting_arg_index: int | None = 1,
+    ending_arg_index: int | None = None,
+    kwargs_on_device_keys: Sequence[str] | None = None,
+) -> Callable:
+    """Wrap `func` so that the positional arguments `starting_arg_index:ending_arg_index`
+    (pytrees) get a new axis at `axis` before the call, as do the keyword arguments named in
+    `kwargs_on_device_keys` (all of them if it is `None`), which get it at axis 1, as flashbax's
+    do."""
+    start = 1 if starting_arg_index is None else starting_arg_index
+
+    def expand(tree: Any, at: int) -> Any:
+        return jax.tree.map(lambda x: jnp.expand_dims(x, at), tree)
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        stop = len(args) if ending_arg_index is None else ending_arg_index
+        args = tuple(expand(a, axis) if start <= i < stop else a for i, a in enumerate(args))
+        kwargs = {
+            k: expand(v, 1) if kwargs_on_device_keys is None or k in kwargs_on_device_keys else v
+            for k, v in kwargs.items()
+        }
+        return func(*args, **kwargs)
+
+    return wrapper
+
+
+def get_timestep_count(buffer_state: Any) -> Array:
+    """The number of steps a trajectory, flat or item buffer's state holds (all rows)."""
+    rows, max_length = get_tree_shape_prefix(buffer_state.experience, 2)
+    per_row = jnp.where(buffer_state.is_full, max_length, buffer_state.current_index)
+    return rows * per_row
