@@ -27,6 +27,7 @@ f32[128], "action": i32[], "reward": f32[], "done": bool[]}` unless a workload s
 | W6 | PrioritisedReplay 1M: sample 256 + set_priorities 256 per step (prioritised) | steps/s |
 | W7 | sample 64 windows of 125 steps per option, 16 streams of 1k/4k/16k (sequences) | µs/sample |
 | W8 | 16 streams: add 1 or 2 steps, 2M; sample 64 x 80 + set priorities, 1M (sequences) | steps/s |
+| W9 | a flashbax program, two imports: DQN (flat), R2D2 (prioritised) (flashbax_dropin) | steps/s |
 """
 
 import argparse
@@ -34,7 +35,15 @@ import json
 import time
 from pathlib import Path
 
-from . import _harness as h, prioritised, prioritised_sequences, sequences, trajectory, uniform
+from . import (
+    _harness as h,
+    flashbax_dropin,
+    prioritised,
+    prioritised_sequences,
+    sequences,
+    trajectory,
+    uniform,
+)
 
 
 WORKLOADS = {
@@ -46,6 +55,7 @@ WORKLOADS = {
     "W6": prioritised.w6,
     "W7": sequences.w7,
     "W8": prioritised_sequences.w8,
+    "W9": flashbax_dropin.w9,
 }
 
 
@@ -83,6 +93,14 @@ _W8_QUICK = (
 )
 
 
+# W9: the same flashbax program with `import flashbax` and with the drop-in, and the raw floor.
+_W9_SYSTEMS = tuple(
+    f"{s}, {part}"
+    for part in ("dqn", "r2d2")
+    for s in ("dejax_eqx.compat.flashbax", "flashbax", "raw")
+)
+
+
 def plan(quick: bool) -> list[tuple[str, str, int, int, int]]:
     """`(workload, system, size, steps, repeats)` of every measurement, in table order."""
     if quick:  # every code path, tiny sizes, one timed repeat: a smoke test, not a measurement
@@ -108,6 +126,7 @@ def plan(quick: bool) -> list[tuple[str, str, int, int, int]]:
             ],
             *[("W7", s, 256, 5, 1) for s in _W7_QUICK],
             *[("W8", s, 16 * 128, 5, 1) for s in _W8_QUICK],
+            *[("W9", s, 16 * 40 * 4, 5, 1) for s in _W9_SYSTEMS],
         ]
     r = 5
     return [
@@ -141,6 +160,7 @@ def plan(quick: bool) -> list[tuple[str, str, int, int, int]]:
         *[("W7", s, m, 200, r) for m in (1024, 4096, 16384) for s in _W7_SYSTEMS],
         *[("W8", s, 2_000_000, 5000, r) for s in _W8_ADDS],
         *[("W8", s, 1_000_000, 1000, r) for s in _W8_LEARN],
+        *[("W9", s, 102_400, 20_000 if "dqn" in s else 5_000, r) for s in _W9_SYSTEMS],
     ]
 
 

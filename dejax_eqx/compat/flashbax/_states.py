@@ -10,6 +10,7 @@ are exactly the module's) and computes flashbax's fields from it. Every field is
 from typing import NamedTuple
 
 import equinox as eqx
+import jax
 from jaxtyping import Array, Bool, Int, PyTree
 
 from ... import TrajectoryBuffer
@@ -73,3 +74,16 @@ class ExperiencePair(NamedTuple):
 
 class TransitionSample(eqx.Module):
     experience: ExperiencePair
+
+
+def pairs(windows: PyTree[Array]) -> ExperiencePair:
+    """Windows of two steps (leaves `[batch, 2, ...]`) as `(first, second)`."""
+    return ExperiencePair(
+        first=jax.tree.map(lambda x: x[:, 0], windows),
+        second=jax.tree.map(lambda x: x[:, 1], windows),
+    )
+
+
+def first_steps(windows: PyTree[Array]) -> PyTree[Array]:
+    """Windows of one step (leaves `[batch, 1, ...]`) without their time axis."""
+    return jax.tree.map(lambda x: x[:, 0], windows)

@@ -5,11 +5,8 @@ one at a time) and `max_length // add_batch_size` steps per row, sampled as whol
 two steps: `experience.first` is a step and `experience.second` the next one of the same row.
 """
 
-import jax
-
-from .._states import ExperiencePair, TrajectoryBufferState, TransitionSample
-from ..utils import add_dim_to_args
-from .trajectory_buffer import make_trajectory_buffer, TrajectoryBuffer
+from .._states import pairs, TransitionSample
+from .trajectory_buffer import make_trajectory_buffer, reshaped, TrajectoryBuffer
 
 
 def validate_sample_batch_size(sample_batch_size: int, max_length: int) -> None:
@@ -51,31 +48,14 @@ def create_flat_buffer(
         min_length_time_axis=min_length // rows + 1,
         max_length_time_axis=max_length // rows,
     )
-    add = buffer.add
-    if not add_batches:  # one row: give the batch its row axis
-        add = add_dim_to_args(add, axis=0, starting_arg_index=1, ending_arg_index=2)
-    if not add_sequences:  # one step per row: give it its time axis
-        add = add_dim_to_args(
-            add, axis=1 if add_batches else 0, starting_arg_index=1, ending_arg_index=2
-        )
-    sample_windows = buffer.sample_n
-    assert sample_windows is not None
-
-    def sample_n(state: TrajectoryBufferState, rng_key, batch_size: int) -> TransitionSample:
-        """`batch_size` pairs of consecutive steps, uniformly."""
-        windows = sample_windows(state, rng_key, batch_size).experience
-        return TransitionSample(
-            experience=ExperiencePair(
-                first=jax.tree.map(lambda x: x[:, 0], windows),
-                second=jax.tree.map(lambda x: x[:, 1], windows),
-            )
-        )
-
-    def sample(state: TrajectoryBufferState, rng_key) -> TransitionSample:
-        """`sample_batch_size` pairs of consecutive steps, uniformly."""
-        return sample_n(state, rng_key, sample_batch_size)
-
-    return buffer.replace(add=add, sample=sample, sample_n=sample_n)
+    return reshaped(
+        buffer,
+        sample_batch_size,
+        add_batches=add_batches,
+        add_sequences=add_sequences,
+        one_row=False,
+        sample=lambda windows: TransitionSample(experience=pairs(windows.experience)),
+    )
 
 
 def make_flat_buffer(

@@ -5,12 +5,9 @@ one step, returned without their time axis. A batch `[B, T, ...]` is added as `B
 row-major order, as flashbax does.
 """
 
-import jax
-
-from .._states import TrajectoryBufferSample, TrajectoryBufferState
-from ..utils import add_dim_to_args
+from .._states import first_steps, TrajectoryBufferSample
 from .flat_buffer import validate_sample_batch_size
-from .trajectory_buffer import make_trajectory_buffer, TrajectoryBuffer
+from .trajectory_buffer import make_trajectory_buffer, reshaped, TrajectoryBuffer
 
 
 def validate_item_buffer_args(max_length: int, min_length: int, sample_batch_size: int) -> None:
@@ -37,32 +34,14 @@ def create_item_buffer(
         min_length_time_axis=min_length,
         max_length_time_axis=max_length,
     )
-    add_row = buffer.add
-
-    def add(state: TrajectoryBufferState, batch):
-        """Add a `[B, T, ...]` batch as `B * T` items, in row-major order."""
-        b, t = jax.tree.leaves(batch)[0].shape[:2]
-        return add_row(state, jax.tree.map(lambda x: x.reshape(1, b * t, *x.shape[2:]), batch))
-
-    if not add_batches:
-        add = add_dim_to_args(add, axis=0, starting_arg_index=1, ending_arg_index=2)
-    if not add_sequences:
-        add = add_dim_to_args(
-            add, axis=1 if add_batches else 0, starting_arg_index=1, ending_arg_index=2
-        )
-    sample_windows = buffer.sample_n
-    assert sample_windows is not None
-
-    def sample_n(state: TrajectoryBufferState, rng_key, batch_size: int) -> TrajectoryBufferSample:
-        """`batch_size` items, uniformly."""
-        windows = sample_windows(state, rng_key, batch_size).experience
-        return TrajectoryBufferSample(experience=jax.tree.map(lambda x: x[:, 0], windows))
-
-    def sample(state: TrajectoryBufferState, rng_key) -> TrajectoryBufferSample:
-        """`sample_batch_size` items, uniformly."""
-        return sample_n(state, rng_key, sample_batch_size)
-
-    return buffer.replace(add=add, sample=sample, sample_n=sample_n)
+    return reshaped(
+        buffer,
+        sample_batch_size,
+        add_batches=add_batches,
+        add_sequences=add_sequences,
+        one_row=True,
+        sample=lambda windows: TrajectoryBufferSample(experience=first_steps(windows.experience)),
+    )
 
 
 def make_item_buffer(

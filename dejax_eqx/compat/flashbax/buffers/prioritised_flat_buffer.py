@@ -8,17 +8,15 @@ items are the windows of two steps starting at every step: `experience.first` is
 """
 
 import equinox as eqx
-import jax
 from jaxtyping import Array, Float, Int
 
-from .._states import ExperiencePair
-from ..utils import add_dim_to_args
+from .._states import ExperiencePair, pairs
 from .flat_buffer import validate_flat_buffer_args
 from .prioritised_trajectory_buffer import (
     make_prioritised_trajectory_buffer,
     PrioritisedTrajectoryBuffer,
-    PrioritisedTrajectoryBufferState,
 )
+from .trajectory_buffer import reshaped
 
 
 class PrioritisedTransitionSample(eqx.Module):
@@ -67,32 +65,15 @@ def make_prioritised_flat_buffer(
         priority_exponent=priority_exponent,
         device=device,
     )
-    add = buffer.add
-    if not add_batches:  # one row: give the batch its row axis
-        add = add_dim_to_args(add, axis=0, starting_arg_index=1, ending_arg_index=2)
-    if not add_sequences:  # one step per row: give it its time axis
-        add = add_dim_to_args(
-            add, axis=1 if add_batches else 0, starting_arg_index=1, ending_arg_index=2
-        )
-    sample_windows = buffer.sample_n
-    assert sample_windows is not None
-
-    def sample_n(
-        state: PrioritisedTrajectoryBufferState, rng_key, batch_size: int
-    ) -> PrioritisedTransitionSample:
-        """`batch_size` pairs of consecutive steps, by priority."""
-        windows = sample_windows(state, rng_key, batch_size)
-        return PrioritisedTransitionSample(
-            experience=ExperiencePair(
-                first=jax.tree.map(lambda x: x[:, 0], windows.experience),
-                second=jax.tree.map(lambda x: x[:, 1], windows.experience),
-            ),
+    return reshaped(
+        buffer,
+        sample_batch_size,
+        add_batches=add_batches,
+        add_sequences=add_sequences,
+        one_row=False,
+        sample=lambda windows: PrioritisedTransitionSample(
+            experience=pairs(windows.experience),
             indices=windows.indices,
             probabilities=windows.probabilities,
-        )
-
-    def sample(state: PrioritisedTrajectoryBufferState, rng_key) -> PrioritisedTransitionSample:
-        """`sample_batch_size` pairs of consecutive steps, by priority."""
-        return sample_n(state, rng_key, sample_batch_size)
-
-    return buffer.replace(add=add, sample=sample, sample_n=sample_n)
+        ),
+    )

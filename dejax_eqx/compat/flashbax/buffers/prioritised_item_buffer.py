@@ -5,16 +5,14 @@ whose items are the windows of one step, returned without their time axis. A bat
 ...]` is added as `B * T` items in row-major order, as flashbax does.
 """
 
-import jax
-
-from ..utils import add_dim_to_args, get_tree_shape_prefix
+from .._states import first_steps
 from .item_buffer import validate_item_buffer_args
 from .prioritised_trajectory_buffer import (
     make_prioritised_trajectory_buffer,
     PrioritisedTrajectoryBuffer,
     PrioritisedTrajectoryBufferSample,
-    PrioritisedTrajectoryBufferState,
 )
+from .trajectory_buffer import reshaped
 
 
 def create_prioritised_item_buffer(
@@ -38,40 +36,18 @@ def create_prioritised_item_buffer(
         priority_exponent=priority_exponent,
         device=device,
     )
-    add_row = buffer.add
-
-    def add(state: PrioritisedTrajectoryBufferState, batch) -> PrioritisedTrajectoryBufferState:
-        """Add a `[B, T, ...]` batch as `B * T` items, in row-major order."""
-        b, t = get_tree_shape_prefix(batch, n_axes=2)
-        return add_row(state, jax.tree.map(lambda x: x.reshape(1, b * t, *x.shape[2:]), batch))
-
-    if not add_batches:
-        add = add_dim_to_args(add, axis=0, starting_arg_index=1, ending_arg_index=2)
-    if not add_sequences:
-        add = add_dim_to_args(
-            add, axis=1 if add_batches else 0, starting_arg_index=1, ending_arg_index=2
-        )
-    sample_windows = buffer.sample_n
-    assert sample_windows is not None
-
-    def sample_n(
-        state: PrioritisedTrajectoryBufferState, rng_key, batch_size: int
-    ) -> PrioritisedTrajectoryBufferSample:
-        """`batch_size` items, by priority."""
-        windows = sample_windows(state, rng_key, batch_size)
-        return PrioritisedTrajectoryBufferSample(
-            experience=jax.tree.map(lambda x: x[:, 0], windows.experience),
+    return reshaped(
+        buffer,
+        sample_batch_size,
+        add_batches=add_batches,
+        add_sequences=add_sequences,
+        one_row=True,
+        sample=lambda windows: PrioritisedTrajectoryBufferSample(
+            experience=first_steps(windows.experience),
             indices=windows.indices,
             probabilities=windows.probabilities,
-        )
-
-    def sample(
-        state: PrioritisedTrajectoryBufferState, rng_key
-    ) -> PrioritisedTrajectoryBufferSample:
-        """`sample_batch_size` items, by priority."""
-        return sample_n(state, rng_key, sample_batch_size)
-
-    return buffer.replace(add=add, sample=sample, sample_n=sample_n)
+        ),
+    )
 
 
 def make_prioritised_item_buffer(

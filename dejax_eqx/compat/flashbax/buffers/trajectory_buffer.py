@@ -8,8 +8,9 @@ import dataclasses
 import functools
 import warnings
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
@@ -17,6 +18,7 @@ from .... import TrajectoryBuffer as _Module
 from ...._checks import check_faults
 from ...._sequences import draw_starts
 from .._states import check_add, TrajectoryBufferSample, TrajectoryBufferState
+from ..utils import add_dim_to_args
 
 
 def init(
@@ -137,3 +139,45 @@ def make_trajectory_buffer(
         can_sample=functools.partial(can_sample, min_length_time_axis=min_length_time_axis),
         sample_n=functools.partial(sample, sequence_length=sample_sequence_length, period=period),
     )
+
+
+def reshaped(
+    buffer: _B,
+    sample_batch_size: int,
+    *,
+    add_batches: bool,
+    add_sequences: bool,
+    one_row: bool,
+    sample: Callable[[Any], Any],
+) -> _B:
+    """A trajectory buffer of this layer (plain or prioritised) as a flat or item buffer.
+
+    Its `add` takes batches without the row axis unless `add_batches`, and without the time
+    axis unless `add_sequences` (flashbax's `add_dim_to_args` wrappers); with `one_row` (the
+    item buffers) it adds a `[B, T, ...]` batch as one row of `B * T` steps, row-major. Its
+    `sample` and `sample_n` return `sample(windows)`, `windows` being the buffer's own sample.
+    """
+    add = buffer.add
+    if one_row:
+        add_row = add
+
+        def add(state, batch):
+            b, t = jax.tree.leaves(batch)[0].shape[:2]
+            return add_row(state, jax.tree.map(lambda x: x.reshape(1, b * t, *x.shape[2:]), batch))
+
+    if not add_batches:  # no row axis: give the batch one
+        add = add_dim_to_args(add, axis=0, starting_arg_index=1, ending_arg_index=2)
+    if not add_sequences:  # no time axis: give every row one
+        add = add_dim_to_args(
+            add, axis=1 if add_batches else 0, starting_arg_index=1, ending_arg_index=2
+        )
+    windows = buffer.sample_n
+    assert windows is not None, "a buffer made by this layer's make_* functions"
+
+    def sample_n(state, rng_key, batch_size: int):
+        return sample(windows(state, rng_key, batch_size))
+
+    def sample_batch(state, rng_key):
+        return sample_n(state, rng_key, sample_batch_size)
+
+    return buffer.replace(add=add, sample=sample_batch, sample_n=sample_n)
