@@ -130,7 +130,12 @@ class TrajectoryQueue(eqx.Module):
         **Raises:** `ValueError` at once for a bad `sequence_length`; an `eqx.error_if` error
         if an env holds fewer than `sequence_length` unread steps.
         """
-        call = "TrajectoryQueue.pop"
+        return self._pop(sequence_length, "TrajectoryQueue.pop")
+
+    def _pop(
+        self: _Q, sequence_length: int, call: str
+    ) -> tuple[PyTree[Shaped[Array, "num_envs seq ..."]], _Q]:
+        """`pop` under the name `call` (the flashbax drop-in's `trajectory_queue.sample`)."""
         length = check_positive_int(
             sequence_length, f"{call}(sequence_length=...)", maximum=self.max_length
         )

@@ -463,7 +463,7 @@ class TrajectoryBuffer(eqx.Module):
                 (
                     jnp.any(added & (self.online_length > m - length)),
                     f"`{call}`: an env's queue has no room for {plural(length, 'more step')}; "
-                    f"the add would overwrite unread steps (max_length = {m}). Pop first, or "
+                    f"the add would overwrite unread ones (max_length = {m}). Pop first, or "
                     "check `can_add`",
                 )
             )

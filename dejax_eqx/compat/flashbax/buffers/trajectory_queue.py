@@ -17,12 +17,9 @@ import warnings
 from collections.abc import Callable
 
 import equinox as eqx
-import jax
-import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int, PyTree
 
 from .... import TrajectoryQueue as _Module
-from ...._checks import check_faults, check_positive_int
 from .._states import check_add
 
 
@@ -88,14 +85,6 @@ def init(
     return TrajectoryQueueState(_Module(experience, add_batch_size, max_length_time_axis))
 
 
-def _guarded(module: _Module, fault: Bool[Array, ""], message: str) -> _Module:
-    """`module`, with its unread counts behind a check of `fault` (small arrays: the check
-    never copies the storage). The module checks the same fault itself; this one names
-    flashbax's functions in its message."""
-    unread = check_faults(module.unread, [(fault, message)])
-    return eqx.tree_at(lambda q: q.trajectories.online_length, module, unread)
-
-
 def add(state: TrajectoryQueueState, batch: PyTree) -> TrajectoryQueueState:
     """Append `batch` (leaves `[add_batch_size, T, ...]`, oldest step first) to every row.
 
@@ -105,17 +94,10 @@ def add(state: TrajectoryQueueState, batch: PyTree) -> TrajectoryQueueState:
     """
     call = "trajectory_queue.add"
     module = state.module
-    m = module.max_length
     batch = check_add(module.trajectories, batch, call, "queue")
-    length = jax.tree.leaves(batch)[0].shape[1]
-    module = _guarded(
-        module,
-        jnp.any(module.unread > m - length),
-        f"`{call}`: a row holds more than {m - length} unread steps, so {length} more would "
-        "overwrite unread ones (flashbax overwrote them); add once `can_add` holds (sample "
-        "to make room)",
-    )
-    return TrajectoryQueueState(module.extend(batch))
+    # The queue's own extend, under flashbax's name: it refuses to overwrite unread steps.
+    trajectories = module.trajectories._extend(batch, None, call, keep_unread=True)
+    return TrajectoryQueueState(module._with(trajectories))
 
 
 def sample(
@@ -131,17 +113,7 @@ def sample(
     `sequence_length` unread steps (where flashbax returned stale steps). `can_sample` tells
     whether they are there.
     """
-    call = "trajectory_queue.sample"
-    module = state.module
-    length = check_positive_int(
-        sequence_length, f"{call}(sequence_length=...)", maximum=module.max_length
-    )
-    module = _guarded(
-        module,
-        jnp.any(module.unread < length),
-        f"`{call}`: a row holds fewer than {length} unread steps; sample once `can_sample` holds",
-    )
-    steps, module = module.pop(length)
+    steps, module = state.module._pop(sequence_length, "trajectory_queue.sample")
     return TrajectoryQueueState(module), TrajectoryQueueSample(experience=steps)
 
 
