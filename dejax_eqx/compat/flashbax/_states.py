@@ -37,30 +37,44 @@ def check_add(
     return batch
 
 
-def _lock_step_count(trajectories: TrajectoryBuffer) -> Int[Array, "*d"]:
-    # Every compat add is lock-step: all envs share one step count.
-    return trajectories.step_count[..., 0]
+class LockStepState(eqx.Module):
+    """flashbax's fields of a trajectory buffer's state, read from `trajectories`, a
+    `dx.TrajectoryBuffer` that every add advances in lock-step (all envs share one step
+    count). The states of the plain and the prioritised buffers both derive them here."""
+
+    @property
+    def trajectories(self) -> TrajectoryBuffer:
+        raise NotImplementedError
+
+    @property
+    def running_index(self) -> Int[Array, "*d"]:
+        """The steps added to each row so far (never wrapped)."""
+        return self.trajectories.step_count[..., 0]
+
+    @property
+    def experience(self) -> PyTree[Array]:
+        """The slots, leaves `[add_batch_size, max_length_time_axis, ...]`."""
+        return self.trajectories.data
+
+    @property
+    def current_index(self) -> Int[Array, "*d"]:
+        """The time index the next add writes."""
+        return self.running_index % self.trajectories.max_length
+
+    @property
+    def is_full(self) -> Bool[Array, "*d"]:
+        """Whether every slot has been written."""
+        return self.running_index >= self.trajectories.max_length
 
 
-class TrajectoryBufferState(eqx.Module):
+class TrajectoryBufferState(LockStepState):
     """The state of flashbax's trajectory, item and flat buffers: a `dx.TrajectoryBuffer`."""
 
     module: TrajectoryBuffer
 
     @property
-    def experience(self) -> PyTree[Array]:
-        """The slots, leaves `[add_batch_size, max_length_time_axis, ...]`."""
-        return self.module.data
-
-    @property
-    def current_index(self) -> Int[Array, "*d"]:
-        """The time index the next add writes."""
-        return _lock_step_count(self.module) % self.module.max_length
-
-    @property
-    def is_full(self) -> Bool[Array, "*d"]:
-        """Whether every slot has been written."""
-        return _lock_step_count(self.module) >= self.module.max_length
+    def trajectories(self) -> TrajectoryBuffer:
+        return self.module
 
 
 class TrajectoryBufferSample(eqx.Module):

@@ -25,11 +25,11 @@ from collections.abc import Callable
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Bool, Float, Int, Integer, PRNGKeyArray, PyTree, Real
+from jaxtyping import Array, ArrayLike, Float, Int, Integer, PRNGKeyArray, PyTree, Real
 
-from .... import PrioritisedTrajectoryBuffer as _Module
+from .... import PrioritisedTrajectoryBuffer as _Module, TrajectoryBuffer as TrajectoryBufferModule
 from ...._checks import check_faults, Prototype
-from .._states import _lock_step_count, check_add
+from .._states import check_add, LockStepState
 from .sum_tree import SumTreeState
 from .trajectory_buffer import can_sample, make_trajectory_buffer, TrajectoryBuffer
 
@@ -51,30 +51,14 @@ __all__ = [
 _DEFAULT_EXPONENT = 0.6
 
 
-class PrioritisedTrajectoryBufferState(eqx.Module):
+class PrioritisedTrajectoryBufferState(LockStepState):
     """The state of flashbax's prioritised buffers: a `dx.PrioritisedTrajectoryBuffer`."""
 
     module: _Module
 
     @property
-    def experience(self) -> PyTree[Array]:
-        """The slots, leaves `[add_batch_size, max_length_time_axis, ...]`."""
-        return self.module.trajectories.data
-
-    @property
-    def running_index(self) -> Int[Array, "*d"]:
-        """The steps added to each row so far (never wrapped)."""
-        return _lock_step_count(self.module.trajectories)
-
-    @property
-    def current_index(self) -> Int[Array, "*d"]:
-        """The time index the next add writes."""
-        return self.running_index % self.module.trajectories.max_length
-
-    @property
-    def is_full(self) -> Bool[Array, "*d"]:
-        """Whether every slot has been written."""
-        return self.running_index >= self.module.trajectories.max_length
+    def trajectories(self) -> TrajectoryBufferModule:
+        return self.module.trajectories
 
     @property
     def sum_tree_state(self) -> SumTreeState:
