@@ -28,6 +28,7 @@ f32[128], "action": i32[], "reward": f32[], "done": bool[]}` unless a workload s
 | W7 | sample 64 windows of 125 steps per option, 16 streams of 1k/4k/16k (sequences) | µs/sample |
 | W8 | 16 streams: add 1 or 2 steps, 2M; sample 64 x 80 + set priorities, 1M (sequences) | steps/s |
 | W9 | a flashbax program, two imports: DQN (flat), R2D2 (prioritised) (flashbax_dropin) | steps/s |
+| W10 | Python loop of 2,000 adds from NumPy: 8 of 16 envs, 64 of 64 (actor_add) | µs/add |
 """
 
 import argparse
@@ -37,6 +38,7 @@ from pathlib import Path
 
 from . import (
     _harness as h,
+    actor_add,
     flashbax_dropin,
     prioritised,
     prioritised_sequences,
@@ -56,6 +58,7 @@ WORKLOADS = {
     "W7": sequences.w7,
     "W8": prioritised_sequences.w8,
     "W9": flashbax_dropin.w9,
+    "W10": actor_add.w10,
 }
 
 
@@ -101,6 +104,17 @@ _W9_SYSTEMS = tuple(
 )
 
 
+# W10: the actor loop's add from Python, by dispatch path; flashbax adds every env at once, so it
+# runs only where every env is added.
+_W10_SYSTEMS = (
+    "dejax_eqx eqx.filter_jit",
+    "dejax_eqx jax.jit",
+    "dejax_eqx prioritised, jax.jit",
+    "raw",
+)
+_W10 = tuple((s, n) for n in (16, 64) for s in (*_W10_SYSTEMS, *(("flashbax",) if n == 64 else ())))
+
+
 def plan(quick: bool) -> list[tuple[str, str, int, int, int]]:
     """`(workload, system, size, steps, repeats)` of every measurement, in table order."""
     if quick:  # every code path, tiny sizes, one timed repeat: a smoke test, not a measurement
@@ -127,6 +141,7 @@ def plan(quick: bool) -> list[tuple[str, str, int, int, int]]:
             *[("W7", s, 256, 5, 1) for s in _W7_QUICK],
             *[("W8", s, 16 * 128, 5, 1) for s in _W8_QUICK],
             *[("W9", s, 16 * 40 * 4, 5, 1) for s in _W9_SYSTEMS],
+            *[("W10", s, n, 20, 1) for s, n in _W10],
         ]
     r = 5
     return [
@@ -161,6 +176,7 @@ def plan(quick: bool) -> list[tuple[str, str, int, int, int]]:
         *[("W8", s, 2_000_000, 5000, r) for s in _W8_ADDS],
         *[("W8", s, 1_000_000, 1000, r) for s in _W8_LEARN],
         *[("W9", s, 102_400, 20_000 if "dqn" in s else 5_000, r) for s in _W9_SYSTEMS],
+        *[("W10", s, n, 2000, r) for s, n in _W10],
     ]
 
 

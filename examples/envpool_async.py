@@ -3,9 +3,13 @@
 In async mode envpool steps `num_envs` environments in the background and each `recv()`
 returns whichever `batch_size` of them finished first, so every call brings a different
 subset of envs. `TrajectoryBuffer.add(steps, env_ids=info["env_id"])` appends each returned
-step to its own env's stream. Every few `recv()`s, a jitted learner step samples a batch of
-sequences, mixing old ones from the replay windows with fresh ones from the online queue (the
-steps since the previous learner step), as Muesli does, and then empties the online queue.
+step to its own env's stream. It is called once per `recv()` from Python, so it goes through
+plain `jax.jit` with the buffer donated: a buffer holds only arrays, and `jax.jit` dispatches
+it faster than `eqx.filter_jit`, whose per-call partitioning would cost more than the write
+(docs/jit-patterns.md, "Dispatch overhead"). Every few `recv()`s, a jitted learner step
+samples a batch of sequences, mixing old ones from the replay windows with fresh ones from the
+online queue (the steps since the previous learner step), as Muesli does, and then empties
+the online queue.
 
 The policy is random and the "learner" only measures what it sampled: the point is the data
 flow. Each stored step holds what `recv()` returned for that env (observation, the reward and
@@ -14,6 +18,7 @@ done flag that came with it) and the action then sent to it.
 Run: python examples/envpool_async.py   (Linux; `pip install -e '.[examples]'` installs envpool)
 """
 
+import functools
 import time
 
 import dejax_eqx as dx
@@ -47,9 +52,11 @@ def main(
     }
     buf = dx.TrajectoryBuffer(step, num_envs=num_envs, max_length=max_length)
 
-    # The buffer is donated, so adding a step writes into the existing storage in place.
-    @eqx.filter_jit(donate="all-except-first")
-    def add(steps, buf, env_ids):
+    # The buffer is donated, so adding a step writes into the existing storage in place. The
+    # learner step below is called once per `learn_every` recvs and does far more work, so
+    # `eqx.filter_jit`'s dispatch does not matter there.
+    @functools.partial(jax.jit, donate_argnums=0)
+    def add(buf, steps, env_ids):
         return buf.add(steps, env_ids=env_ids)
 
     @eqx.filter_jit(donate="all-except-first")
@@ -80,7 +87,7 @@ def main(
             "done": terminated | truncated,
             "action": action,
         }
-        buf = add(steps, buf, env_ids)
+        buf = add(buf, steps, env_ids)
         env.send(action, env_ids)
         if (i + 1) % learn_every == 0:
             key, subkey = jax.random.split(key)
