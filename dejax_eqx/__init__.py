@@ -7,6 +7,7 @@ from ._abstract import (
     AbstractReplay as AbstractReplay,
 )
 from ._clustered import ClusteredReplay as ClusteredReplay
+from ._dataset import Dataset as Dataset
 from ._io import load as load, save as save
 from ._prioritised import (
     importance_weights as importance_weights,

@@ -153,7 +153,9 @@ def _pick(step: PyTree, name: LeafName) -> Any:
     return getattr(step, name)
 
 
-def _check_leaf(data: PyTree[Array], name: Any, what: str, floating: bool) -> None:
+def _check_leaf(
+    data: PyTree[Array | jax.ShapeDtypeStruct], name: Any, what: str, floating: bool
+) -> None:
     """Check at trace time that `name` picks one stored leaf with one value per step, of a
     floating dtype (`floating`) or bool. `what` names the argument in messages."""
     if not (isinstance(name, str) or callable(name)):

@@ -1,0 +1,394 @@
+"""`dx.Dataset`: on-disk per-env streams, checked against plain Python histories.
+
+The crash-safety tests kill a writer process (SIGKILL) in the middle of a write and reopen the
+dataset: it must read exactly as it did at its previous commit, and take new writes.
+"""
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import dejax_eqx as dx
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+
+pytest.importorskip("tensorstore")
+
+ROOT = Path(__file__).resolve().parent.parent
+STEP = {
+    "obs": jnp.zeros(3, jnp.float32),
+    "action": jnp.zeros((), jnp.int32),
+    "done": jnp.zeros((), jnp.bool_),
+}
+
+
+def _steps(env: np.ndarray, step: np.ndarray) -> dict[str, np.ndarray]:
+    """The step numbered `step` of env `env`: every value is a function of the two, so any
+    step read back can be checked. Shapes follow `step`."""
+    env, step = np.broadcast_arrays(np.asarray(env), np.asarray(step))
+    base = (env * 100_000 + step).astype(np.float32)
+    return {
+        "obs": base[..., None] + np.array([0.0, 0.25, 0.5], np.float32),
+        "action": ((env + step) % 5).astype(np.int32),
+        "done": (step % 7) == 6,
+    }
+
+
+def _assert_holds(ds: dx.Dataset, env: int, first: int, end: int) -> None:
+    got = ds.read(env, first, end)
+    want = _steps(np.full(end - first, env), np.arange(first, end))
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=f"env {env}, leaf {k}")
+
+
+@jax.jit
+def _add(buf, steps, env_ids):
+    return buf.add(steps, env_ids)
+
+
+def _async_adds(buf, rng, count: int, per_call: int, num_envs: int):
+    """`count` adds of `per_call` random envs each, with the steps `_steps` numbers."""
+    for _ in range(count):
+        ids = rng.permutation(num_envs)[:per_call].astype(np.int32)
+        t = buf.trajectories if isinstance(buf, dx.PrioritisedTrajectoryBuffer) else buf
+        buf = _add(buf, _steps(ids, np.asarray(t.step_count)[ids]), ids)
+    return buf
+
+
+def test_append_and_read_match_the_histories(tmp_path):
+    ds = dx.Dataset.create(tmp_path / "d", STEP, num_envs=3, chunk_length=4)
+    rng = np.random.default_rng(0)
+    ends = np.zeros(3, np.int64)
+    for _ in range(20):
+        ids = rng.permutation(3)[: rng.integers(1, 4)]
+        length = int(rng.integers(0, 9))  # 0 appends nothing; up to two chunks and a bit
+        steps = ends[ids][:, None] + np.arange(length)[None, :]
+        ds.append(_steps(ids[:, None], steps), env_ids=ids)
+        ends[ids] += length
+    np.testing.assert_array_equal(ds.ends, ends)
+    reopened = dx.Dataset.open(tmp_path / "d", STEP)
+    np.testing.assert_array_equal(reopened.lengths, ends)
+    for e in range(3):
+        _assert_holds(reopened, e, 0, int(ends[e]))
+        _assert_holds(reopened, e, 1, 3)  # a range inside one chunk
+
+
+def test_write_stores_every_step_a_buffer_took_once(tmp_path):
+    num_envs, max_length = 4, 6
+    buf = dx.TrajectoryBuffer(STEP, num_envs, max_length)
+    ds = dx.Dataset.create(tmp_path / "d", buf, num_envs, chunk_length=5)
+    rng = np.random.default_rng(1)
+    written = 0
+    for _ in range(30):
+        # Two random envs per add, at most 5 adds between writes: fewer than max_length steps
+        # of any env, so nothing is lost.
+        buf = _async_adds(buf, rng, int(rng.integers(0, 6)), 2, num_envs)
+        written += ds.write(buf)
+        np.testing.assert_array_equal(ds.ends, np.asarray(buf.step_count))
+    assert written == int(np.asarray(buf.step_count).sum())
+    for e in range(num_envs):
+        _assert_holds(ds, e, 0, int(ds.ends[e]))
+
+
+def test_first_write_starts_at_the_oldest_stored_step(tmp_path):
+    buf = dx.TrajectoryBuffer(STEP, 2, 4)
+    ids = np.arange(2, dtype=np.int32)
+    for t in range(7):
+        buf = buf.add(_steps(ids, np.full(2, t)), ids)
+    ds = dx.Dataset.create(tmp_path / "d", STEP, 2)
+    assert ds.write(buf) == 8
+    np.testing.assert_array_equal(ds.starts, [3, 3])
+    _assert_holds(ds, 1, 3, 7)
+
+
+def test_write_refuses_lost_steps_and_writes_nothing(tmp_path):
+    buf = dx.TrajectoryBuffer(STEP, 3, 4)
+    ds = dx.Dataset.create(tmp_path / "d", STEP, 3)
+    all_envs = np.arange(3, dtype=np.int32)
+    buf = buf.add(_steps(all_envs, np.zeros(3, int)), all_envs)
+    ds.write(buf)
+    manifest = (tmp_path / "d" / "manifest.json").read_text()
+    one = np.array([1], np.int32)
+    for t in range(1, 7):  # 6 new steps of env 1, of which the buffer keeps 4
+        buf = buf.add(_steps(one, np.array([t])), one)
+    with pytest.raises(ValueError) as error:
+        ds.write(buf)
+    assert str(error.value) == (
+        "`Dataset.write`: env 1 took 6 steps since the previous write, but the buffer holds "
+        "only its last 4 (max_length = 4): 2 steps were overwritten before they could be "
+        "written. Nothing was written. Write at least every 4 steps of each env (1 env(s) "
+        "lost steps)."
+    )
+    assert (tmp_path / "d" / "manifest.json").read_text() == manifest
+    np.testing.assert_array_equal(dx.Dataset.open(tmp_path / "d", STEP).lengths, [1, 1, 1])
+
+
+def test_write_refuses_a_buffer_it_does_not_follow(tmp_path):
+    buf = dx.TrajectoryBuffer(STEP, 2, 8)
+    ids = np.arange(2, dtype=np.int32)
+    for t in range(3):
+        buf = buf.add(_steps(ids, np.full(2, t)), ids)
+    ds = dx.Dataset.create(tmp_path / "d", STEP, 2)
+    ds.write(buf)
+    with pytest.raises(ValueError, match="env 0 of the buffer has taken 0 steps, fewer than"):
+        ds.write(dx.TrajectoryBuffer(STEP, 2, 8))
+    with pytest.raises(ValueError, match="the buffer has 3 envs, the dataset 2"):
+        ds.write(dx.TrajectoryBuffer(STEP, 3, 8))
+    with pytest.raises(ValueError, match=r"the buffer's steps are \{\['obs'\]: float32\(3,\)\}"):
+        ds.write(dx.TrajectoryBuffer({"obs": STEP["obs"]}, 2, 8))
+
+
+def _prioritised(num_envs=3, max_length=12):
+    return dx.PrioritisedTrajectoryBuffer(
+        STEP, num_envs, max_length, sequence_length=3, burn_in=1, bootstrap=1, period=2
+    )
+
+
+@jax.jit
+def _reprioritise(buf, key, priorities):
+    out = buf.sample(key, priorities.shape[0])
+    return buf.set_priorities(out.sample.env, out.sample.start, priorities)
+
+
+@jax.jit
+def _sample16(buf, key):
+    return buf.sample(key, 16)
+
+
+def _prioritised_history(tmp_path, num_envs=3, max_length=12):
+    """A prioritised buffer fed asynchronously, priorities set between writes."""
+    buf = _prioritised(num_envs, max_length)
+    ds = dx.Dataset.create(tmp_path / "d", STEP, num_envs, chunk_length=4)
+    rng = np.random.default_rng(2)
+    buf = _async_adds(buf, rng, 12, 2, num_envs)
+    for i in range(8):
+        new = jnp.asarray(rng.uniform(0.1, 4.0, 6), jnp.float32)
+        buf = _reprioritise(buf, jax.random.key(i), new)
+        ds.write(buf)
+        buf = _async_adds(buf, rng, 5, 2, num_envs)
+    ds.write(buf)
+    return buf, ds
+
+
+def test_prioritised_buffer_comes_back_with_its_priorities(tmp_path):
+    buf, ds = _prioritised_history(tmp_path)
+    like = eqx.filter_eval_shape(_prioritised)
+    loaded = dx.Dataset.open(ds.path, like).load(like)
+    assert float(loaded.max_priority) == float(buf.max_priority) == ds.max_priority
+    np.testing.assert_array_equal(loaded.tree.leaves, buf.tree.leaves)
+    np.testing.assert_array_equal(loaded.tree.total, buf.tree.total)
+    t, u = loaded.trajectories, buf.trajectories
+    np.testing.assert_array_equal(t.step_count, u.step_count)
+    np.testing.assert_array_equal(t.replay_length, u.replay_length)
+    # The same draws, windows and weights as the buffer that was written.
+    for k in range(3):
+        a, b = _sample16(loaded, jax.random.key(k)), _sample16(buf, jax.random.key(k))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            np.testing.assert_array_equal(x, y)
+    # What the dataset holds for a window is its sum-tree mass as of the last write.
+    env, start = 1, int(ds.ends[1] - buf.window)
+    start -= start % buf.period
+    mass = ds.priorities(env, start, start + 1)[0]
+    leaf = env * buf.slots_per_env + (start // buf.period) % buf.slots_per_env
+    assert mass == np.float32(buf.tree.leaves[leaf])
+    assert np.isnan(ds.priorities(env, start + 1, start + 2)[0])  # not a window start
+
+
+def test_load_keeps_the_newest_steps_and_defaults_missing_priorities(tmp_path):
+    ds = dx.Dataset.create(tmp_path / "d", STEP, 2, chunk_length=3)
+    ids = np.arange(2)
+    ds.append(_steps(ids[:, None], np.arange(10)[None, :]))  # 10 steps each, no priorities
+    small = ds.load(dx.TrajectoryBuffer(STEP, 2, 4))
+    reference = dx.TrajectoryBuffer(STEP, 2, 4)
+    for t in range(10):
+        reference = reference.add(_steps(ids, np.full(2, t)), ids.astype(np.int32))
+    reference = reference.reset_online_queue()  # a loaded buffer's online queue is empty
+    for x, y in zip(jax.tree.leaves(small), jax.tree.leaves(reference)):
+        np.testing.assert_array_equal(x, y)
+    loaded = ds.load(_prioritised(2, 8))
+    # Windows of 5 steps every 2 among steps 2 .. 9: starts 2, 4, each at max_priority 1.
+    assert float(loaded.tree.total) == 4.0 and int(loaded.num_windows) == 4
+    with pytest.raises(ValueError, match="the buffer has 3 envs, the dataset 2"):
+        ds.load(dx.TrajectoryBuffer(STEP, 3, 4))
+
+
+def test_load_refuses_other_priority_settings(tmp_path):
+    _, ds = _prioritised_history(tmp_path)
+    other = dx.PrioritisedTrajectoryBuffer(
+        STEP, 3, 12, sequence_length=3, burn_in=1, bootstrap=1, period=2, priority_exponent=0.5
+    )
+    with pytest.raises(ValueError, match=r"`like` has priority_exponent = 0.5, but .* with 0.6"):
+        ds.load(other)
+
+
+def test_sample_draws_stored_whole_windows_uniformly(tmp_path):
+    # Envs of different spans; windows of 5 steps (1 + 3 + 1) starting on multiples of 3.
+    # The first write starts each env at its oldest stored step: env 1 at step 4.
+    spans = {0: (0, 14), 1: (4, 18), 2: (0, 3)}  # env 2 holds no whole window
+    buf = dx.TrajectoryBuffer(STEP, 3, 14)
+    for e, (_, end) in spans.items():
+        row = np.array([e], np.int32)
+        buf = buf.extend(_steps(row[:, None], np.arange(end)[None, :]), row)
+    ds = dx.Dataset.create(tmp_path / "d", STEP, 3, chunk_length=4)
+    ds.write(buf)
+    np.testing.assert_array_equal(ds.starts, [0, 4, 0])
+    admissible = [(e, s) for e, (a, b) in spans.items() for s in range(a, b - 4) if s % 3 == 0]
+    assert admissible == [(0, 0), (0, 3), (0, 6), (0, 9), (1, 6), (1, 9), (1, 12)]
+    draws = 4000
+    s = ds.sample(
+        jax.random.key(0),
+        draws,
+        3,
+        burn_in=1,
+        bootstrap=1,
+        period=3,
+        episode_ends="truncate",
+        done="done",
+    )
+    env, start = np.asarray(s.env), np.asarray(s.start)
+    for b in range(0, draws, 97):  # every drawn window is the stored one
+        want = _steps(np.full(5, env[b]), start[b] + np.arange(5))
+        mask = np.asarray(s.mask[b])
+        # "truncate": cut after the first episode end at or past the learning part.
+        ends = np.flatnonzero(want["done"][1:]) + 1
+        keep = np.arange(5) <= (ends[0] if ends.size else 4)
+        np.testing.assert_array_equal(mask, keep)
+        np.testing.assert_array_equal(np.asarray(s.items["obs"][b])[mask], want["obs"][mask])
+        assert not np.asarray(s.items["obs"][b])[~mask].any()
+    counts = np.array([np.sum((env == e) & (start == s_)) for e, s_ in admissible])
+    assert counts.sum() == draws
+    # Uniform over the 5 admissible windows: chi-square, false-failure rate 1e-6.
+    statistic, _ = stats.chisquare(counts)
+    assert statistic < stats.chi2.ppf(1 - 1e-6, df=len(admissible) - 1)
+
+
+def test_sample_errors(tmp_path):
+    ds = dx.Dataset.create(tmp_path / "d", STEP, 2)
+    ds.append(_steps(np.arange(2)[:, None], np.arange(4)[None, :]))
+    with pytest.raises(ValueError, match="no env holds a whole window of 5 steps"):
+        ds.sample(jax.random.key(0), 2, 5)
+    with pytest.raises(ValueError, match="`Dataset.sample.episode_ends='truncate'.` needs `done`"):
+        ds.sample(jax.random.key(0), 2, 2, episode_ends="truncate")
+    with pytest.raises(ValueError, match="the step has no leaf 'finished'"):
+        ds.sample(jax.random.key(0), 2, 2, episode_ends="within", done="finished")
+
+
+def test_bad_input_is_refused_with_its_reason(tmp_path):
+    ds = dx.Dataset.create(tmp_path / "d", STEP, 2)
+    with pytest.raises(FileExistsError, match="already exists"):
+        dx.Dataset.create(tmp_path / "d", STEP, 2)
+    with pytest.raises(FileNotFoundError, match="is not a dataset"):
+        dx.Dataset.open(tmp_path, STEP)
+    with pytest.raises(ValueError, match=r"holds steps \{\['action'\]: int32\(\), .* describes"):
+        dx.Dataset.open(tmp_path / "d", {"obs": STEP["obs"]})
+    steps = _steps(np.arange(2)[:, None], np.arange(3)[None, :])
+    with pytest.raises(TypeError, match=r"leaf `\['obs'\]` has dtype float64, expected float32"):
+        ds.append({**steps, "obs": steps["obs"].astype(np.float64)})
+    with pytest.raises(ValueError, match="an env id occurs more than once"):
+        ds.append(steps, env_ids=np.array([1, 1]))
+    with pytest.raises(ValueError, match="an env id is out of range"):
+        ds.append(steps, env_ids=np.array([0, 2]))
+    with pytest.raises(ValueError, match="without `env_ids` there must be steps for every env"):
+        ds.append(jax.tree.map(lambda x: x[:1], steps))
+    assert ds.lengths.tolist() == [0, 0]  # nothing was written by the refused calls
+    ds.append(steps)
+    with pytest.raises(ValueError, match=r"steps 1 .. 3 of env 0 are not all stored; it holds"):
+        ds.read(0, 1, 4)
+    with pytest.raises(ValueError, match="env 2 is out of range"):
+        ds.read(2, 0, 1)
+    manifest = tmp_path / "d" / "manifest.json"
+    raw = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps(raw | {"format": 99}))
+    with pytest.raises(ValueError, match="has format 99; this version reads format 1"):
+        dx.Dataset.open(tmp_path / "d", STEP)
+
+
+# ---------------------------------------------------------------------------------------------
+# Crash safety: a writer killed with SIGKILL in the middle of a write
+
+
+_WRITER = """
+import sys
+import numpy as np
+import dejax_eqx as dx
+from dejax_eqx import _dataset
+from tests.test_dataset import STEP, _steps
+
+path, chunks, per_write, stop_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+ds = dx.Dataset.create(path, STEP, 4, chunk_length=chunks)
+envs = np.arange(4)[:, None]
+for k in range(1000):
+    if k == 3 and stop_at == "before-commit":
+        def block(_):
+            print("data written", flush=True)
+            sys.stdin.readline()  # until killed
+        _dataset._BEFORE_COMMIT = block
+    print(f"begin {k}", flush=True)
+    ds.append(_steps(envs, k * per_write + np.arange(per_write)[None, :]))
+"""
+
+
+def _kill_writer(tmp_path, chunks: int, per_write: int, stop_at: str, line: str) -> Path:
+    path = tmp_path / "d"
+    command = [sys.executable, "-c", textwrap.dedent(_WRITER), str(path), str(chunks)]
+    with subprocess.Popen(
+        [*command, str(per_write), stop_at],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as writer:
+        assert writer.stdout is not None
+        try:
+            for got in writer.stdout:
+                if got.strip() == line:
+                    writer.send_signal(signal.SIGKILL)
+                    break
+            else:
+                pytest.fail(f"the writer ended without printing {line!r}")
+        finally:
+            writer.kill()
+            writer.wait()
+    assert writer.returncode == -signal.SIGKILL
+    return path
+
+
+def _check_after_crash(path: Path, possible: list[int], per_write: int) -> None:
+    ds = dx.Dataset.open(path, STEP)
+    length = int(ds.lengths[0])
+    assert ds.lengths.tolist() == [length] * 4 and length in possible
+    for e in range(4):
+        _assert_holds(ds, e, 0, length)
+    # The next write goes where the killed one left its uncommitted steps, and replaces them.
+    envs = np.arange(4)[:, None]
+    ds.append(_steps(envs, length + np.arange(per_write)[None, :]))
+    reopened = dx.Dataset.open(path, STEP)
+    for e in range(4):
+        _assert_holds(reopened, e, 0, length + per_write)
+
+
+def test_a_writer_killed_before_its_commit_leaves_the_previous_end(tmp_path):
+    # Every chunk of write 3 is on disk (in chunks shared with committed steps, too); only
+    # the manifest is not: the dataset still ends after write 2.
+    path = _kill_writer(tmp_path, 4, 6, "before-commit", "data written")
+    assert not list(path.glob(".manifest.json.*"))
+    # Write 3's steps are on disk past the committed end, where no read reaches them.
+    ds = dx.Dataset.open(path, STEP)
+    past_end = ds._leaves[0][2, 18:24].read().result()
+    np.testing.assert_array_equal(past_end, _steps(np.full(6, 2), np.arange(18, 24))["action"])
+    _check_after_crash(path, [18], 6)
+
+
+def test_a_writer_killed_midway_through_a_large_write_leaves_a_readable_dataset(tmp_path):
+    # Killed as write 2 starts, 20,000 steps of 4 envs in 64-step chunks: the dataset ends
+    # after write 1, or, if write 2 finished in the moment before the kill, after it.
+    path = _kill_writer(tmp_path, 64, 20_000, "run", "begin 2")
+    _check_after_crash(path, [40_000, 60_000], 20_000)
