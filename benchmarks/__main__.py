@@ -29,6 +29,7 @@ f32[128], "action": i32[], "reward": f32[], "done": bool[]}` unless a workload s
 | W8 | 16 streams: add 1 or 2 steps, 2M; sample 64 x 80 + set priorities, 1M (sequences) | steps/s |
 | W9 | a flashbax program, two imports: DQN (flat), R2D2 (prioritised) (flashbax_dropin) | steps/s |
 | W10 | Python loop of 2,000 adds from NumPy: 8 of 16 envs, 64 of 64 (actor_add) | µs/add |
+| W11 | 16 envs' steps to disk, 1,024 at a time, read back: Dataset, NumPy, Vault | MB/s |
 """
 
 import argparse
@@ -39,6 +40,7 @@ from pathlib import Path
 from . import (
     _harness as h,
     actor_add,
+    datasets,
     flashbax_dropin,
     prioritised,
     prioritised_sequences,
@@ -59,6 +61,7 @@ WORKLOADS = {
     "W8": prioritised_sequences.w8,
     "W9": flashbax_dropin.w9,
     "W10": actor_add.w10,
+    "W11": datasets.w11,
 }
 
 
@@ -115,6 +118,14 @@ _W10_SYSTEMS = (
 _W10 = tuple((s, n) for n in (16, 64) for s in (*_W10_SYSTEMS, *(("flashbax",) if n == 64 else ())))
 
 
+# W11: writes and reads of the same steps by each system.
+_W11 = tuple(
+    f"{s} {part}"
+    for part in ("write", "read")
+    for s in ("dejax_eqx", "dejax_eqx sync=False", "numpy", "flashbax")
+)
+
+
 def plan(quick: bool) -> list[tuple[str, str, int, int, int]]:
     """`(workload, system, size, steps, repeats)` of every measurement, in table order."""
     if quick:  # every code path, tiny sizes, one timed repeat: a smoke test, not a measurement
@@ -142,6 +153,7 @@ def plan(quick: bool) -> list[tuple[str, str, int, int, int]]:
             *[("W8", s, 16 * 128, 5, 1) for s in _W8_QUICK],
             *[("W9", s, 16 * 40 * 4, 5, 1) for s in _W9_SYSTEMS],
             *[("W10", s, n, 20, 1) for s, n in _W10],
+            *[("W11", s, 2048, 1, 1) for s in _W11],
         ]
     r = 5
     return [
@@ -177,6 +189,7 @@ def plan(quick: bool) -> list[tuple[str, str, int, int, int]]:
         *[("W8", s, 1_000_000, 1000, r) for s in _W8_LEARN],
         *[("W9", s, 102_400, 20_000 if "dqn" in s else 5_000, r) for s in _W9_SYSTEMS],
         *[("W10", s, n, 2000, r) for s, n in _W10],
+        *[("W11", s, 16_384, 1, r) for s in _W11],
     ]
 
 

@@ -63,8 +63,9 @@ def _async_adds(buf, rng, count: int, per_call: int, num_envs: int):
     return buf
 
 
-def test_append_and_read_match_the_histories(tmp_path):
-    ds = dx.Dataset.create(tmp_path / "d", STEP, num_envs=3, chunk_length=4)
+@pytest.mark.parametrize("sync", [True, False])
+def test_append_and_read_match_the_histories(tmp_path, sync):
+    ds = dx.Dataset.create(tmp_path / "d", STEP, num_envs=3, chunk_length=4, sync=sync)
     rng = np.random.default_rng(0)
     ends = np.zeros(3, np.int64)
     for _ in range(20):
@@ -74,7 +75,7 @@ def test_append_and_read_match_the_histories(tmp_path):
         ds.append(_steps(ids[:, None], steps), env_ids=ids)
         ends[ids] += length
     np.testing.assert_array_equal(ds.ends, ends)
-    reopened = dx.Dataset.open(tmp_path / "d", STEP)
+    reopened = dx.Dataset.open(tmp_path / "d", STEP, sync=sync)
     np.testing.assert_array_equal(reopened.lengths, ends)
     for e in range(3):
         _assert_holds(reopened, e, 0, int(ends[e]))
