@@ -327,14 +327,7 @@ class Dataset:
             the buffer written before.
         """
         call = "Dataset.write"
-        prioritised = isinstance(buffer, PrioritisedTrajectoryBuffer)
-        if not isinstance(buffer, TrajectoryBuffer | PrioritisedTrajectoryBuffer):
-            raise TypeError(
-                f"`{call}`: expected a TrajectoryBuffer or PrioritisedTrajectoryBuffer, got "
-                f"{type(buffer).__name__}."
-            )
-        t = buffer.trajectories if prioritised else buffer
-        self._check_buffer(t, call)
+        t, prioritised = self._streams(buffer, call, "the buffer")
         count = np.asarray(t.step_count, np.int64)
         stored = np.asarray(t.replay_length, np.int64)
         manifest = self._manifest
@@ -360,11 +353,15 @@ class Dataset:
                 f"Nothing was written. Write at least every {t.max_length} steps of each env "
                 f"({lost.size} env(s) lost steps)."
             )
-        priorities = self._priority_metadata(buffer, call) if prioritised else None
+        priorities = (
+            self._priority_metadata(buffer, call)
+            if isinstance(buffer, PrioritisedTrajectoryBuffer)
+            else None
+        )
         self._check_count(new, call)
         steps = _newest(t, new, end)
         self._write_steps({int(e): [x[e, : new[e]] for x in steps] for e in np.flatnonzero(new)})
-        if prioritised:
+        if isinstance(buffer, PrioritisedTrajectoryBuffer):
             self._write_priorities(buffer, np.asarray(manifest.start, np.int64))
         manifest = dataclasses.replace(
             manifest,
@@ -374,6 +371,19 @@ class Dataset:
         )
         self._commit(manifest)
         return int(new.sum())
+
+    def _streams(self, buffer: Any, call: str, what: str) -> tuple[TrajectoryBuffer, bool]:
+        """The per-env streams of `buffer`, checked against the dataset, and whether it is
+        prioritised."""
+        prioritised = isinstance(buffer, PrioritisedTrajectoryBuffer)
+        if not isinstance(buffer, TrajectoryBuffer | PrioritisedTrajectoryBuffer):
+            raise TypeError(
+                f"`{call}`: {what} must be a TrajectoryBuffer or PrioritisedTrajectoryBuffer, "
+                f"got {type(buffer).__name__}."
+            )
+        t = buffer.trajectories if prioritised else buffer
+        self._check_buffer(t, call)
+        return t, prioritised
 
     def _check_buffer(self, t: TrajectoryBuffer, call: str) -> None:
         if t.num_envs != self.num_envs:
@@ -599,14 +609,7 @@ class Dataset:
         were written with.
         """
         call = "Dataset.load"
-        prioritised = isinstance(like, PrioritisedTrajectoryBuffer)
-        if not isinstance(like, TrajectoryBuffer | PrioritisedTrajectoryBuffer):
-            raise TypeError(
-                f"`{call}`: `like` must be a TrajectoryBuffer or PrioritisedTrajectoryBuffer, "
-                f"got {type(like).__name__}."
-            )
-        template = like.trajectories if prioritised else like
-        self._check_buffer(template, call)
+        template, prioritised = self._streams(like, call, "`like`")
         m = template.max_length
         ends = self.ends
         kept = np.minimum(self.lengths, m)
