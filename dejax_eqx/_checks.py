@@ -226,8 +226,10 @@ def check_items(
     *,
     batched: bool,
     what: str | None = None,
-) -> tuple[PyTree[Array], int | None]:
-    """Check `items` against `spec` and convert its leaves to JAX arrays.
+    convert: bool = True,
+) -> tuple[PyTree[Array | np.ndarray], int | None]:
+    """Check `items` against `spec` and convert its leaves to JAX arrays (with `convert`;
+    without it, only check, and return `items` as given: for data that stays on the host).
 
     With `batched=False`, `items` is one item: each leaf has exactly its spec's shape and dtype.
     With `batched=True`, each leaf has one extra leading axis, of the same length `n` for all
@@ -291,15 +293,16 @@ def check_items(
                 f"`{call}`: {what} leaf `{name}` has dtype {dtype}, expected {want.dtype}. "
                 "Buffers keep the prototype's dtypes exactly; cast with `.astype` first."
             )
-        out.append(jnp.asarray(leaf))
+        out.append(jnp.asarray(leaf) if convert else leaf)
     return jax.tree.unflatten(expected_def, out), n
 
 
 def check_sequences(
-    spec: PyTree[jax.ShapeDtypeStruct], items: PyTree[ArrayLike], call: str
-) -> tuple[PyTree[Array], int, int]:
+    spec: PyTree[jax.ShapeDtypeStruct], items: PyTree[ArrayLike], call: str, convert: bool = True
+) -> tuple[PyTree[Array | np.ndarray], int, int]:
     """`check_items` for a batch of sequences: each leaf has two extra leading axes `(n, T)`,
-    the same for all leaves. Returns the converted items, `n` and `T`."""
+    the same for all leaves. Returns the items (converted, as `check_items` does with
+    `convert`), `n` and `T`."""
     leaves = jax.tree.leaves(items)
     if jax.tree.structure(items) == jax.tree.structure(spec) and leaves:
         first = leaves[0]
@@ -313,7 +316,9 @@ def check_sequences(
         spec = jax.tree.map(lambda s: jax.ShapeDtypeStruct((length, *s.shape), s.dtype), spec)
     else:
         length = 0
-    items, n = check_items(spec, items, call, batched=True, what="batch of sequences")
+    items, n = check_items(
+        spec, items, call, batched=True, what="batch of sequences", convert=convert
+    )
     assert n is not None
     return items, n, length
 

@@ -47,8 +47,7 @@ from ._checks import (
 )
 from ._io import _fsync_directory, _new_file_mode
 from ._prioritised_trajectory import PrioritisedTrajectoryBuffer
-from ._sequences import Law
-from ._sum_tree import set_leaves
+from ._sum_tree import set_leaves, SumTree
 from ._trajectory import EpisodeEnds, LeafName, SequenceSample, TrajectoryBuffer
 
 
@@ -71,11 +70,6 @@ def _tensorstore():
             "`datasets` extra of dejax_eqx)."
         ) from error
     return tensorstore
-
-
-def _zarr_dtype(dtype: np.dtype) -> str:
-    name = np.dtype(dtype).name
-    return {"bool": "bool"}.get(name, name)
 
 
 def _spec_of_like(like: Any, call: str) -> PyTree[jax.ShapeDtypeStruct]:
@@ -225,7 +219,7 @@ class Dataset:
         metadata: dict[str, Any] = {
             "shape": shape,
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunk}},
-            "data_type": _zarr_dtype(np.dtype(leaf["dtype"])),
+            "data_type": leaf["dtype"],  # zarr v3 names dtypes as NumPy does
         }
         if fill is not None:
             metadata["fill_value"] = fill
@@ -293,7 +287,8 @@ class Dataset:
         `2**31 - 1` steps. Nothing is written then.
         """
         call = "Dataset.append"
-        items, n, length = check_sequences(self._spec, steps, call)
+        # Checked only: the steps go from where they are to disk, not through a device.
+        items, n, length = check_sequences(self._spec, steps, call, convert=False)
         rows = self._env_ids(env_ids, n, call)
         if length == 0 or n == 0:
             return
@@ -327,7 +322,7 @@ class Dataset:
             the buffer written before.
         """
         call = "Dataset.write"
-        t, prioritised = self._streams(buffer, call, "the buffer")
+        t, _ = self._streams(buffer, call, "the buffer")
         count = np.asarray(t.step_count, np.int64)
         stored = np.asarray(t.replay_length, np.int64)
         manifest = self._manifest
@@ -353,11 +348,16 @@ class Dataset:
                 f"Nothing was written. Write at least every {t.max_length} steps of each env "
                 f"({lost.size} env(s) lost steps)."
             )
-        priorities = (
-            self._priority_metadata(buffer, call)
-            if isinstance(buffer, PrioritisedTrajectoryBuffer)
-            else None
-        )
+        priorities = manifest.priorities
+        if isinstance(buffer, PrioritisedTrajectoryBuffer):
+            mismatch = self._priority_mismatch(buffer)
+            if mismatch:
+                key, value, old = mismatch
+                raise ValueError(
+                    f"`{call}`: the buffer's {key} is {value}, but the dataset's "
+                    f"priorities were written with {old}."
+                )
+            priorities = _priority_settings(buffer) | {"max_priority": float(buffer.max_priority)}
         self._check_count(new, call)
         steps = _newest(t, new, end)
         self._write_steps({int(e): [x[e, : new[e]] for x in steps] for e in np.flatnonzero(new)})
@@ -367,7 +367,7 @@ class Dataset:
             manifest,
             length=(self.lengths + new).tolist(),
             writes=manifest.writes + 1,
-            priorities=priorities if prioritised else manifest.priorities,
+            priorities=priorities,
         )
         self._commit(manifest)
         return int(new.sum())
@@ -397,21 +397,16 @@ class Dataset:
                 f"{_leaves_text(self._manifest.leaves)}."
             )
 
-    def _priority_metadata(self, buffer: PrioritisedTrajectoryBuffer, call: str) -> dict:
-        meta = {
-            "priority_exponent": buffer.priority_exponent,
-            "period": buffer.period,
-            "window": buffer.window,
-        }
+    def _priority_mismatch(self, buffer: PrioritisedTrajectoryBuffer) -> tuple | None:
+        """The first setting `(name, buffer's value, dataset's value)` in which `buffer`
+        differs from the buffer the priorities were written from, or `None`."""
         old = self._manifest.priorities
-        if old is not None:
-            for key, value in meta.items():
-                if old[key] != value:
-                    raise ValueError(
-                        f"`{call}`: the buffer's {key} is {value}, but the dataset's "
-                        f"priorities were written with {old[key]}."
-                    )
-        return meta | {"max_priority": float(buffer.max_priority)}
+        if old is None:
+            return None
+        for key, value in _priority_settings(buffer).items():
+            if old[key] != value:
+                return key, value, old[key]
+        return None
 
     def _check_count(self, new: np.ndarray, call: str) -> None:
         over = np.flatnonzero(self.ends + new > INT32_MAX)
@@ -458,22 +453,12 @@ class Dataset:
 
     def _write_priorities(self, buffer: PrioritisedTrajectoryBuffer, start: np.ndarray) -> None:
         """The mass of every window the buffer holds, at its first step's position."""
-        t = buffer.trajectories
-        count = np.asarray(t.step_count, np.int64)
-        oldest = count - np.asarray(t.replay_length, np.int64)
-        p, w = buffer.period, buffer.window
-        leaves = np.asarray(buffer.tree.leaves)
-        futures = []
-        for e in range(self.num_envs):
-            first = -(-max(oldest[e], start[e]) // p) * p
-            starts = np.arange(first, count[e] - w + 1, p, dtype=np.int64)
-            if starts.size == 0:
-                continue
-            slot = (starts // p) % buffer.slots_per_env
-            mass = leaves[e * buffer.slots_per_env + slot].astype(np.float32)
-            # One write per run of consecutive positions would be cheaper; windows are
-            # `period` apart, so index the positions instead.
-            futures.append(self._priority[e].vindex[starts - start[e]].write(mass))
+        masses = np.asarray(buffer.tree.leaves).astype(np.float32)
+        futures = [
+            # Windows are `period` apart: index their positions.
+            self._priority[e].vindex[starts - start[e]].write(masses[leaves])
+            for e, starts, leaves in _held_windows(buffer, buffer.trajectories, start)
+        ]
         for f in futures:
             f.result()
 
@@ -549,7 +534,7 @@ class Dataset:
         windows = template._windows(
             call, sequence_length, burn_in, bootstrap, period, True, episode_ends, done
         )
-        law = Law(windows.law.size, windows.law.period, strict=True)
+        law = windows.law
         starts, ends = self.starts, self.ends
         first = -(-starts // law.period) * law.period
         per_env = np.maximum((ends - law.size - first) // law.period + 1, 0)
@@ -571,7 +556,7 @@ class Dataset:
         # and start are put back afterwards.
         holder = eqx.tree_at(
             lambda b: (b.data, b.step_count, b.replay_length, b.online_length),
-            TrajectoryBuffer(self._spec, batch_size, law.size),
+            template,
             (
                 data,
                 jnp.full(batch_size, law.size, jnp.int32),
@@ -624,10 +609,10 @@ class Dataset:
             values = self.read(e, int(steps[0]), int(ends[e]))
             for out, x in zip(data, jax.tree.leaves(values)):
                 out[e, steps % m] = x
-        fresh = TrajectoryBuffer(self._spec, self.num_envs, m)
+        # Every array of `template` is replaced: it may hold no arrays at all (eval_shape).
         trajectories = eqx.tree_at(
             lambda b: (b.data, b.step_count, b.replay_length, b.online_length),
-            fresh,
+            template,
             (
                 jax.tree.unflatten(jax.tree.structure(self._spec), [jnp.asarray(x) for x in data]),
                 jnp.asarray(ends, jnp.int32),
@@ -642,47 +627,23 @@ class Dataset:
     def _load_prioritised(
         self, like: PrioritisedTrajectoryBuffer, trajectories: TrajectoryBuffer, call: str
     ) -> PrioritisedTrajectoryBuffer:
+        mismatch = self._priority_mismatch(like)
+        if mismatch:
+            key, value, old = mismatch
+            raise ValueError(
+                f"`{call}`: `like` has {key} = {value}, but the dataset's priorities were "
+                f"written with {old}."
+            )
         meta = self._manifest.priorities
-        if meta is not None:
-            for key in ("priority_exponent", "period", "window"):
-                value = {
-                    "priority_exponent": like.priority_exponent,
-                    "period": like.period,
-                    "window": like.window,
-                }[key]
-                if meta[key] != value:
-                    raise ValueError(
-                        f"`{call}`: `like` has {key} = {value}, but the dataset's priorities "
-                        f"were written with {meta[key]}."
-                    )
-        p, w, k = like.period, like.window, like.slots_per_env
         dtype = like.max_priority.dtype
         max_priority = jnp.asarray(1.0 if meta is None else meta["max_priority"], dtype)
         default = float(max_priority) ** like.priority_exponent
-        count = np.asarray(trajectories.step_count, np.int64)
-        oldest = count - np.asarray(trajectories.replay_length, np.int64)
         leaves, masses = [], []
-        for e in range(self.num_envs):
-            first = -(-oldest[e] // p) * p
-            starts = np.arange(first, count[e] - w + 1, p, dtype=np.int64)
-            if starts.size == 0:
-                continue
+        for e, starts, held in _held_windows(like, trajectories, self.starts):
             stored = self._priority[e].vindex[starts - self.starts[e]].read().result()
             masses.append(np.where(np.isnan(stored), default, stored))
-            leaves.append(e * k + (starts // p) % k)
-        fresh = PrioritisedTrajectoryBuffer(
-            self._spec,
-            self.num_envs,
-            trajectories.max_length,
-            like.sequence_length,
-            burn_in=like.burn_in,
-            bootstrap=like.bootstrap,
-            period=p,
-            priority_exponent=like.priority_exponent,
-            stratified=like.stratified,
-            dtype=dtype,
-        )
-        tree = fresh.tree
+            leaves.append(held)
+        tree = SumTree(like.tree.capacity, dtype)
         if leaves:
             tree = set_leaves(
                 tree,
@@ -692,9 +653,37 @@ class Dataset:
             )
         return eqx.tree_at(
             lambda b: (b.trajectories, b.tree, b.max_priority),
-            fresh,
+            like,
             (trajectories, tree, max_priority),
         )
+
+
+def _priority_settings(buffer: PrioritisedTrajectoryBuffer) -> dict:
+    """What the stored masses depend on: the exponent and which windows they are of."""
+    return {
+        "priority_exponent": buffer.priority_exponent,
+        "period": buffer.period,
+        "window": buffer.window,
+    }
+
+
+def _held_windows(
+    buffer: PrioritisedTrajectoryBuffer, streams: TrajectoryBuffer, floor: np.ndarray
+) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """Per env `e` with any, `(e, starts, leaves)`: the starts of the windows `streams` hold
+    whole (on `buffer`'s period, none before `floor[e]`), and their sum-tree leaves."""
+    count = np.asarray(streams.step_count, np.int64)
+    oldest = np.maximum(count - np.asarray(streams.replay_length, np.int64), floor)
+    p = buffer.period
+    out = []
+    for e in range(streams.num_envs):
+        first = -(-oldest[e] // p) * p
+        starts = np.arange(first, count[e] - buffer.window + 1, p, dtype=np.int64)
+        if starts.size:
+            env = jnp.full(starts.shape, e, jnp.int32)
+            leaves = buffer._leaf(env, jnp.asarray(starts, jnp.int32))
+            out.append((e, starts, np.asarray(leaves)))
+    return out
 
 
 def _newest(t: TrajectoryBuffer, new: np.ndarray, end: np.ndarray) -> list[np.ndarray]:
