@@ -1,4 +1,7 @@
+import ctypes
+import ctypes.util
 import os
+from collections.abc import Callable
 
 import jax
 import pytest
@@ -10,13 +13,24 @@ from jaxtyping import install_import_hook
 # function and module of the package is checked by beartype during the tests.
 _hook = install_import_hook("dejax_eqx", "beartype.beartype")
 
-# The tests compile far more than they compute, and LLVM's optimisation of the generated CPU code
-# is most of each compilation while buying nothing on test-sized arrays: it is off for the tests
-# (and the subprocesses they start). XLA's own graph passes (fusion, layout) still run, so the
-# tests check the programs users run; the benchmarks and the library keep XLA's defaults.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    _flags = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
-    os.environ["XLA_FLAGS"] = _flags.strip()
+# The tests compile far more than they compute, so two code-generation settings favour compile
+# time, for the tests (and the subprocesses they start) only:
+# - LLVM's optimisation of the generated CPU code is off: it is most of a compilation and buys
+#   nothing on test-sized arrays;
+# - fusions are emitted by XLA's older LLVM emitters, not its MLIR fusion emitters: measured on
+#   tests/test_transforms.py and tests/test_trajectory.py, 84 s instead of 147 s.
+# XLA's graph passes (fusion, layout, buffer assignment, so in-place updates) still run as
+# usual, so the tests check the programs users run. Outside the tests XLA's defaults stay: the
+# README's demo, and in CI (`.ci/run`) flashbax's own tests and the benchmarks' quick run.
+_TEST_XLA_FLAGS = {
+    "xla_backend_optimization_level": "0",
+    "xla_cpu_use_fusion_emitters": "false",
+}
+_flags = os.environ.get("XLA_FLAGS", "")
+for _name, _value in _TEST_XLA_FLAGS.items():
+    if _name not in _flags:
+        _flags += f" --{_name}={_value}"
+os.environ["XLA_FLAGS"] = _flags.strip()
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -33,12 +47,53 @@ settings.register_profile("dev", max_examples=150, stateful_step_count=40, **_co
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 
-# Compiled executables are cached per process, and a module's shapes are rarely another's: once
-# a module is done its executables only hold memory (gigabytes over the whole suite).
-@pytest.fixture(autouse=True, scope="module")
-def _clear_compilation_caches():
-    yield
+# Memory. Compiled executables are cached per process, and they and the compilations' scratch
+# hold most of a test process's memory: without care a worker grows past 2 GiB, and the
+# README's test command must stay under 3 GB for both workers together. Two releases:
+# - after each module, whose shapes are rarely another's: drop the compilation caches;
+# - after any test that leaves the process above `_RSS_BUDGET`: the same, mid-module. Programs
+#   that later tests share are then compiled again, so this must stay rare: clearing after
+#   every test kept a worker under 0.8 GiB but doubled the suite's time.
+# Each release then hands the freed heap back to the system (glibc's `malloc_trim`): glibc keeps
+# freed pages otherwise. Measured after tests/test_transforms.py: 1,381 MiB resident with the
+# caches dropped, 430 MiB after the trim.
+_RSS_BUDGET = 1 << 30
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _malloc_trim() -> Callable[[], object]:
+    libc = ctypes.util.find_library("c")
+    trim = getattr(ctypes.CDLL(libc), "malloc_trim", None) if libc else None
+    return (lambda: trim(0)) if trim is not None else (lambda: None)  # glibc only
+
+
+_trim = _malloc_trim()
+
+
+def _resident_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except OSError:  # no procfs: never over budget
+        return 0
+
+
+def _release_memory() -> None:
     jax.clear_caches()
+    _trim()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_after_module():
+    yield
+    _release_memory()
+
+
+@pytest.fixture(autouse=True)
+def _release_when_over_budget():
+    yield
+    if _resident_bytes() > _RSS_BUDGET:
+        _release_memory()
 
 
 def pytest_collection_modifyitems(config, items):
