@@ -53,7 +53,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 # - after each module, whose shapes are rarely another's: drop the compilation caches;
 # - after any test that leaves the process above `_RSS_BUDGET`: the same, mid-module. Programs
 #   that later tests share are then compiled again, so this must stay rare: clearing after
-#   every test kept a worker under 0.8 GiB but doubled the suite's time.
+#   every test kept a worker under 0.8 GiB, but two heavy modules took 1.7-1.9 times as long.
 # Each release then hands the freed heap back to the system (glibc's `malloc_trim`): glibc keeps
 # freed pages otherwise. Measured after tests/test_transforms.py: 1,381 MiB resident with the
 # caches dropped, 430 MiB after the trim.
