@@ -1,7 +1,7 @@
 import ctypes
 import ctypes.util
+import mmap
 import os
-from collections.abc import Callable
 
 import jax
 import pytest
@@ -58,29 +58,22 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 # freed pages otherwise. Measured after tests/test_transforms.py: 1,381 MiB resident with the
 # caches dropped, 430 MiB after the trim.
 _RSS_BUDGET = 1 << 30
-_PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def _malloc_trim() -> Callable[[], object]:
-    libc = ctypes.util.find_library("c")
-    trim = getattr(ctypes.CDLL(libc), "malloc_trim", None) if libc else None
-    return (lambda: trim(0)) if trim is not None else (lambda: None)  # glibc only
-
-
-_trim = _malloc_trim()
+_LIBC = ctypes.util.find_library("c")
+_MALLOC_TRIM = getattr(ctypes.CDLL(_LIBC), "malloc_trim", None) if _LIBC else None  # glibc only
 
 
 def _resident_bytes() -> int:
     try:
         with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * _PAGE
+            return int(f.read().split()[1]) * mmap.PAGESIZE
     except OSError:  # no procfs: never over budget
         return 0
 
 
 def _release_memory() -> None:
     jax.clear_caches()
-    _trim()
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 @pytest.fixture(autouse=True, scope="module")
