@@ -5,29 +5,32 @@ import importlib.metadata
 from ._abstract import (
     AbstractPrioritisedReplay as AbstractPrioritisedReplay,
     AbstractReplay as AbstractReplay,
+    AbstractTrajectoryBuffer as AbstractTrajectoryBuffer,
 )
 from ._clustered import ClusteredReplay as ClusteredReplay
 from ._dataset import Dataset as Dataset
 from ._io import load as load, save as save
-from ._prioritised import (
+from ._nstep import NStep as NStep, Transitions as Transitions
+from ._priorities import (
     importance_weights as importance_weights,
+    sequence_priorities as sequence_priorities,
+)
+from ._prioritised import (
     PrioritisedReplay as PrioritisedReplay,
     PrioritisedSample as PrioritisedSample,
-    sequence_priorities as sequence_priorities,
 )
 from ._prioritised_trajectory import (
     PrioritisedSequenceSample as PrioritisedSequenceSample,
     PrioritisedTrajectoryBuffer as PrioritisedTrajectoryBuffer,
+    WindowMasses as WindowMasses,
 )
 from ._queue import TrajectoryQueue as TrajectoryQueue
 from ._storage import CircularBuffer as CircularBuffer
+from ._streams import Streams as Streams
 from ._sum_tree import SumTree as SumTree
-from ._trajectory import (
-    SequenceSample as SequenceSample,
-    TrajectoryBuffer as TrajectoryBuffer,
-    Transitions as Transitions,
-)
+from ._trajectory import TrajectoryBuffer as TrajectoryBuffer
 from ._uniform import UniformReplay as UniformReplay
+from ._windows import SequenceSample as SequenceSample, Window as Window
 
 
 __version__ = importlib.metadata.version("dejax_eqx")

@@ -6,9 +6,13 @@ import equinox as eqx
 import jax
 from jaxtyping import Array, ArrayLike, Bool, Int, Integer, PRNGKeyArray, PyTree, Real, UInt32
 
+from ._checks import check_faults
+from ._streams import check_newest, check_stale, Streams
+
 
 _R = TypeVar("_R", bound="AbstractReplay")
 _PR = TypeVar("_PR", bound="AbstractPrioritisedReplay")
+_T = TypeVar("_T", bound="AbstractTrajectoryBuffer")
 
 
 class AbstractReplay(eqx.Module):
@@ -133,6 +137,7 @@ class AbstractPrioritisedReplay(AbstractReplay):
         priorities: Real[ArrayLike, " n"],
         *,
         mask: Bool[ArrayLike, " n"] | None = None,
+        generations: UInt32[ArrayLike, " n"] | None = None,
         stamps: UInt32[ArrayLike, " n"] | None = None,
     ) -> _PR:
         """Set the priorities of the items in slots `indices`.
@@ -147,13 +152,185 @@ class AbstractPrioritisedReplay(AbstractReplay):
         - `priorities`: array of shape `(n,)`, finite and non-negative.
         - `mask`: optional boolean array of shape `(n,)`: only the entries where it is `True`
             are set (and checked); the others may hold anything.
-        - `stamps`: optional uint32 array of shape `(n,)`, the `stamps` of the sample the
-            indices came from: an entry whose slot has been written since that sample is
-            ignored (it would give a new item the priority computed for the old one).
-            `stale(indices, stamps)` tells which entries those are.
+        - `generations`: optional uint32 array of shape `(n,)`, the `generations` of the
+            sample the indices came from: an entry whose slot has been written since that
+            sample is ignored (it would give a new item the priority computed for the old one).
+            `stale(indices, generations)` tells which entries those are.
+        - `stamps`: the deprecated name of `generations` (removed in the next release).
 
         **Returns:** the new replay.
 
         **Raises:** an `eqx.error_if` error if an index is not a stored slot
         (`0 <= index < size`) or a priority is negative, infinite or NaN.
         """
+
+
+class AbstractTrajectoryBuffer(eqx.Module):
+    """The surface every trajectory buffer shares: per-env streams of steps.
+
+    Made for actors that step environments asynchronously, such as envpool's async mode, where
+    every `recv()` returns a different subset of the envs, and for rollouts collected in
+    lock-step. Each of `num_envs` envs keeps its own stream of its last `max_length` steps,
+    with its own write cursor, so envs advance independently. Every step has an absolute
+    number in its env's stream (0 for the first step ever added; `step_count[e]` steps so far),
+    which aligns periods and names sampled windows: a window is named by its *stamp*
+    `(env, start)`.
+
+    The streams are a `Streams` module (`streams`); each buffer adds its own state and its
+    own way of reading them. Concrete trajectory buffers (`TrajectoryBuffer`,
+    `PrioritisedTrajectoryBuffer`, `TrajectoryQueue`) are final: they are not meant to be
+    subclassed.
+    """
+
+    streams: eqx.AbstractVar[Streams]
+
+    @property
+    def num_envs(self) -> int:
+        """The number of envs (streams), a static Python int."""
+        return self.streams.num_envs
+
+    @property
+    def max_length(self) -> int:
+        """The number of steps each env keeps, a static Python int."""
+        return self.streams.max_length
+
+    @property
+    def item_spec(self) -> PyTree[jax.ShapeDtypeStruct]:
+        """The structure, shape and dtype of one step, as `jax.ShapeDtypeStruct` leaves."""
+        return self.streams.item_spec
+
+    @property
+    def data(self) -> PyTree[Array]:
+        """The stored steps: each leaf of the prototype with two leading axes `(num_envs,
+        max_length)`, each row in ring order (read-only; `streams.data`)."""
+        return self.streams.data
+
+    @property
+    def step_count(self) -> Int[Array, "*batch num_envs"]:
+        """Per env, the number of steps ever added: an int32 array of shape `(num_envs,)`."""
+        return self.streams.step_count
+
+    @property
+    def head(self) -> Int[Array, "*batch num_envs"]:
+        """Each env's write cursor: the slot its next step goes to, `step_count mod
+        max_length`, an int32 array of shape `(num_envs,)`."""
+        return self.streams.head
+
+    @abc.abstractmethod
+    def add(
+        self: _T, items: PyTree[ArrayLike], env_ids: Integer[ArrayLike, " n"] | None = None
+    ) -> _T:
+        """Append one step to the stream of each listed env.
+
+        The envs not listed are untouched: their cursors and windows stay where they are.
+        An env whose stream holds `max_length` steps drops its oldest. All listed envs are
+        written in one scatter, at their own cursors.
+
+        **Arguments:**
+
+        - `items`: a pytree with the prototype's structure whose leaves have one extra leading
+            axis: one step per listed env, in the order of `env_ids`.
+        - `env_ids`: an integer array of shape `(n,)` of distinct env ids in
+            `[0, num_envs)`, such as `info["env_id"]` from envpool's `recv()`. `None` (the
+            default) means every env, in order: then `n = num_envs`.
+
+        **Returns:** the new buffer.
+
+        **Raises:** `ValueError`/`TypeError` at trace time if `items` does not match the
+        prototype or its leading axis is not `n`; an `eqx.error_if` error if an env id is out
+        of range or occurs twice, or if an env has taken `2**31 - 1` steps (the most its int32
+        step count holds).
+        """
+
+    @abc.abstractmethod
+    def extend(
+        self: _T, items: PyTree[ArrayLike], env_ids: Integer[ArrayLike, " n"] | None = None
+    ) -> _T:
+        """Append `T` consecutive steps to the stream of each listed env: the same as `T`
+        calls of `add` (step `t` of every listed env in call `t`), in one write.
+
+        For actors that collect a rollout of `T` steps from every env before storing it (a
+        `lax.scan` over the env step, as in PureJaxRL or Stoix), and for flashbax's
+        trajectory buffers, which add `[num_envs, T]` batches.
+
+        **Arguments:**
+
+        - `items`: a pytree with the prototype's structure whose leaves have two extra
+            leading axes `(n, T)`: `T` steps for each listed env, oldest first. `T = 0` adds
+            nothing. `T > max_length` is allowed: as after `T` adds, the last `max_length`
+            steps remain.
+        - `env_ids`: as for `add`; `None` (the default) means every env, in order.
+
+        **Returns:** the new buffer.
+
+        **Raises:** as `add`.
+        """
+
+    @abc.abstractmethod
+    def with_streams(self: _T, streams: Streams) -> _T:
+        """This buffer's configuration holding `streams` (of the same `num_envs`,
+        `max_length` and steps): what depends on the steps is made afresh from them (an empty
+        online queue, no unread step, every stored window at the largest priority).
+
+        For buffers restored from elsewhere (`Dataset.load`, `Streams.restore`). Only the
+        static configuration of `self` is used, so it may come from `eqx.filter_eval_shape`.
+
+        **Raises:** `ValueError` at once if `streams` has another configuration.
+        """
+
+    def peek(self, env_ids: Integer[ArrayLike, "*n"] | None = None) -> PyTree[Array]:
+        """The newest step of each listed env.
+
+        Useful in an actor loop, e.g. to read the latest observation of the envs that were
+        just returned.
+
+        **Arguments:**
+
+        - `env_ids`: an integer array of env ids in `[0, num_envs)`, of any shape (a scalar
+            gives one step); repeats are allowed. `None` (the default) means every env.
+
+        **Returns:** the steps, each leaf with the shape of `env_ids` in front of the
+        prototype's shape.
+
+        **Raises:** an `eqx.error_if` error if an env id is out of range or a listed env has
+        no stored step.
+        """
+        return check_faults(*check_newest(self.streams, env_ids, f"{type(self).__name__}.peek"))
+
+    def stale(
+        self, env_ids: Integer[ArrayLike, "*n"], starts: Integer[ArrayLike, "*n"]
+    ) -> Bool[Array, "*n"]:
+        """Whether the windows named by stamps `(env, start)` have lost steps since.
+
+        A window is stale once its first step has been dropped to make room for a newer one
+        (the first step goes first, so then the window's other stored steps may follow).
+        Steps added after the newest step of a window do not make it stale. A prioritised
+        buffer drops the priority updates of stale windows.
+
+        **Arguments:**
+
+        - `env_ids`: an integer array of env ids in `[0, num_envs)`, of any shape.
+        - `starts`: an integer array of the same shape: absolute step numbers, as
+            `SequenceSample.start` and `Transitions.start` give them.
+
+        **Returns:** a boolean array of the shape of `env_ids`.
+
+        **Raises:** `ValueError`/`TypeError` at once if the shapes differ or an argument is not
+        an integer array; an `eqx.error_if` error if an env id is out of range or a start is
+        not a step its env has taken (negative, or at least its `step_count`).
+        """
+        call = f"{type(self).__name__}.stale"
+        return check_faults(*check_stale(self.streams, env_ids, starts, call))
+
+    def _check_streams(self, streams: Streams, call: str) -> Streams:
+        """`streams` if it has this buffer's configuration, else an error quoting `call`."""
+        if not isinstance(streams, Streams):
+            raise TypeError(f"`{call}`: expected a `dx.Streams`, got {type(streams).__name__}.")
+        mine = (self.num_envs, self.max_length, self.item_spec)
+        theirs = (streams.num_envs, streams.max_length, streams.item_spec)
+        if mine != theirs:
+            raise ValueError(
+                f"`{call}`: the streams have (num_envs, max_length, steps) = {theirs}, but "
+                f"this buffer has {mine}."
+            )
+        return streams

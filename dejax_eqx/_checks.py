@@ -13,7 +13,8 @@ import math
 import numbers
 import os
 import sys
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import equinox as eqx
@@ -361,6 +362,62 @@ def check_index_fn(
         )
 
 
+LeafName = str | Callable[[Any], Any]
+"""Names one leaf of a step: a key of the step (a mapping) or an attribute of it (a named
+tuple, a dataclass, a module), or a function that returns the leaf from the step's pytree
+(`lambda step: step.info.done`; structure only: it must return the stored leaf itself)."""
+
+
+def pick_leaf(tree: PyTree, name: LeafName) -> Any:
+    """The leaf of `tree` (a step, or stored steps of the same structure) that `name` names."""
+    if callable(name):
+        return name(tree)
+    if isinstance(tree, Mapping):
+        return tree[name]
+    return getattr(tree, name)
+
+
+def check_leaf(spec: PyTree[jax.ShapeDtypeStruct], name: Any, what: str, *, floating: bool) -> None:
+    """Check at trace time that `name` picks one leaf of a step (`spec`) with one value per
+    step, of a floating dtype (`floating`) or bool. `what` names the argument in messages."""
+    if not (isinstance(name, str) or callable(name)):
+        raise TypeError(
+            f"{what} must name a leaf of the step: a str (a key or attribute of the step) or a "
+            f"function that returns the leaf, got {name!r}."
+        )
+    # A function is run on abstract arrays (without running anything), so that one which
+    # computes a new array from the leaves is told apart from one that picks a leaf.
+    picked: list[Any] = []
+
+    def probe(step: PyTree[Array]) -> Array:
+        picked.append(pick_leaf(step, name))
+        leaves = jax.tree.leaves(step)
+        picked.append(next((i for i, x in enumerate(leaves) if picked[0] is x), None))
+        return jnp.zeros(())
+
+    try:
+        jax.eval_shape(probe, spec)
+    except (KeyError, AttributeError, TypeError, IndexError) as error:
+        raise ValueError(
+            f"{what}: the step has no leaf {name!r} ({type(error).__name__}: {error})."
+        ) from None
+    if picked[1] is None:
+        raise ValueError(
+            f"{what}: {name!r} must pick one leaf of the step as it is stored, but it "
+            "returned something else (a new array computed from the step, say)."
+        )
+    leaf = jax.tree.leaves(spec)[picked[1]]
+    if tuple(leaf.shape) != ():
+        raise ValueError(
+            f"{what}: the leaf {name!r} has shape {tuple(leaf.shape)} per step; it must hold "
+            "one value per step (shape ())."
+        )
+    if floating and not jnp.issubdtype(leaf.dtype, jnp.floating):
+        raise TypeError(f"{what}: the leaf {name!r} has dtype {leaf.dtype}, expected a float.")
+    if not floating and leaf.dtype != jnp.bool_:
+        raise TypeError(f"{what}: the leaf {name!r} has dtype {leaf.dtype}, expected bool.")
+
+
 def spec_of(
     data: PyTree[Array | jax.ShapeDtypeStruct], axes: int = 1
 ) -> PyTree[jax.ShapeDtypeStruct]:
@@ -433,24 +490,79 @@ def _check_real_dtype(x: ArrayLike, call: str, name: str) -> None:
         )
 
 
-def check_stamps(stamps: ArrayLike, n: int, call: str) -> UInt32[Array, " n"]:
-    """Stamps as `sample` returns them: a uint32 array of shape `(n,)` (any other dtype would
-    be converted, and an int32 stamp past 2**31 wraps)."""
-    if not isinstance(stamps, jax.Array | np.ndarray):
+def check_generations(generations: ArrayLike, n: int, call: str) -> UInt32[Array, " n"]:
+    """Generations as `sample` returns them: a uint32 array of shape `(n,)` (any other dtype
+    would be converted, and an int32 generation past 2**31 wraps)."""
+    if not isinstance(generations, jax.Array | np.ndarray):
         raise TypeError(
-            f"`{call}`: `stamps` must be the uint32 array a sample returned, got a "
-            f"{type(stamps).__name__}."
+            f"`{call}`: `generations` must be the uint32 array a sample returned, got a "
+            f"{type(generations).__name__}."
         )
-    if stamps.dtype != jnp.uint32:
+    if generations.dtype != jnp.uint32:
         raise TypeError(
-            f"`{call}`: `stamps` has dtype {stamps.dtype}, expected uint32 (as a sample "
-            "returns them)."
+            f"`{call}`: `generations` has dtype {generations.dtype}, expected uint32 (as a "
+            "sample returns them)."
         )
-    if tuple(stamps.shape) != (n,):
+    if tuple(generations.shape) != (n,):
         raise ValueError(
-            f"`{call}`: `stamps` has shape {tuple(stamps.shape)}, expected ({n},): one per index."
+            f"`{call}`: `generations` has shape {tuple(generations.shape)}, expected ({n},): "
+            "one per index."
         )
-    return jnp.asarray(stamps)
+    return jnp.asarray(generations)
+
+
+def as_options(value: Any, options: dict[str, Any], cls: type[Any], call: str, old: str) -> Any:
+    """`value` if it is a `cls` (an options object such as `dx.Window`) and no `options` came
+    with it. For one release, the old form, `old` (an int and keyword `options`), is turned
+    into `cls(value, **options)` with a `DeprecationWarning`."""
+    name = cls.__name__
+    if isinstance(value, cls):
+        if options:
+            raise TypeError(
+                f"`{call}`: {sorted(options)} are options of the `{name}`; pass them to "
+                f"`dx.{name}(...)`, not here."
+            )
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        warnings.warn(
+            f"`{call}`: {old} is deprecated; pass `dx.{name}({value}, ...)` with the options "
+            "instead (removed in the next release).",
+            DeprecationWarning,
+            stacklevel=4,
+        )
+        return cls(value, **options)
+    raise TypeError(f"`{call}`: expected a `dx.{name}`, got {value!r}.")
+
+
+def deprecated_property(owner: str, old: str, new: str, get: Callable[[Any], Any]) -> property:
+    """A read-only property `old` of class `owner` that warns (`DeprecationWarning`) and returns
+    `get(self)`, what `new` reads now."""
+
+    def read(self: Any) -> Any:
+        warnings.warn(
+            f"`{owner}.{old}` is deprecated; read `{new}` (the same; removed in the next release).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return get(self)
+
+    return property(read, doc=f"Deprecated: `{new}` under its old name.")
+
+
+def renamed(new_value: Any, old_value: Any, new: str, old: str, call: str) -> Any:
+    """The value of an argument that was renamed from `old` to `new`: `old_value` (with a
+    `DeprecationWarning`) if only the old name was given, else `new_value`."""
+    if old_value is None:
+        return new_value
+    if new_value is not None:
+        raise TypeError(f"`{call}`: pass `{new}` only (`{old}` is its deprecated name).")
+    warnings.warn(
+        f"`{call}({old}=...)` is deprecated; pass `{new}=...` (the same; removed in the next "
+        "release).",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return old_value
 
 
 def check_index(
@@ -473,7 +585,8 @@ def check_index(
     wraps an int64 into int32 silently).
 
     **Returns:** the index as int32, with every out-of-range entry replaced by `bound` (one past
-    the end: a scatter with `mode="drop"` drops it, a gather with `mode="fill"` fills it), and
+    the end: a scatter with `mode="drop"` drops it, a gather with `mode="fill"` fills it; for
+    `bound = 2**31`, by `2**31 - 1`, past the end of any array), and
     the boolean `fault` of the same shape, `True` at those entries, for `check_faults`.
     """
     if isinstance(index, bool) or not isinstance(index, jax.Array | np.ndarray | np.generic | int):
@@ -491,10 +604,13 @@ def check_index(
             f"`{call}` has {shape[0]} entries, expected {length[0]}: one per {length[1]}."
         )
     assert 0 < bound <= INT32_MAX + 1
+    # What a bad entry becomes: past the end of anything it indexes (arrays hold at most
+    # 2**31 - 1 entries), and an int32.
+    past = min(bound, INT32_MAX)
     if isinstance(index, int | np.ndarray | np.generic):
         value = np.asarray(index, object if isinstance(index, int) else None)
         bad = (value < 0) | (value >= bound)
-        safe = np.where(bad, bound, value).astype(np.int64)
+        safe = np.where(bad, past, value).astype(np.int64)
         return jnp.asarray(safe, jnp.int32), jnp.asarray(bad, jnp.bool_)
     info = jnp.iinfo(index.dtype)
     bad = jnp.zeros(shape, jnp.bool_)
@@ -502,7 +618,7 @@ def check_index(
         bad = bad | (index < 0)
     if bound <= info.max:  # else every value of the dtype is below the bound
         bad = bad | (index >= jnp.asarray(bound, index.dtype))
-    return jnp.where(bad, bound, index).astype(jnp.int32), bad
+    return jnp.where(bad, past, index.astype(jnp.int32)), bad
 
 
 def count_ids(ids: Int[Array, " n"], num: int) -> Int[Array, " num"]:

@@ -11,15 +11,16 @@ from ._checks import (
     check_faults,
     check_finite_float,
     check_fn_output,
+    check_generations,
     check_index,
     check_index_fn,
     check_items,
     check_positive_int,
-    check_stamps,
     check_vector,
     INT32_MAX,
     is_concrete,
     plural,
+    renamed,
 )
 from ._storage import check_batch
 
@@ -224,6 +225,7 @@ class ClusteredReplay(AbstractReplay):
         indices: Integer[ArrayLike, " n"],
         priorities: Real[ArrayLike, " n"],
         *,
+        generations: UInt32[ArrayLike, " n"] | None = None,
         stamps: UInt32[ArrayLike, " n"] | None = None,
     ) -> _C:
         """Set priorities in the clusters of a prioritised inner replay.
@@ -239,9 +241,10 @@ class ClusteredReplay(AbstractReplay):
         - `cluster_ids`: integer array of shape `(n,)`, ids in `[0, num_clusters)`.
         - `indices`: integer array of shape `(n,)`, stored slots of those clusters.
         - `priorities`: array of shape `(n,)`, finite and non-negative.
-        - `stamps`: optional uint32 array of shape `(n,)`, the sample's `stamps`: an entry
-            whose slot has been written since is ignored (see
+        - `generations`: optional uint32 array of shape `(n,)`, the sample's `generations`:
+            an entry whose slot has been written since is ignored (see
             `PrioritisedReplay.set_priorities`).
+        - `stamps`: the deprecated name of `generations` (removed in the next release).
 
         **Returns:** the new replay.
 
@@ -251,6 +254,7 @@ class ClusteredReplay(AbstractReplay):
         negative or non-finite priority).
         """
         call = "ClusteredReplay.set_priorities"
+        generations = renamed(generations, stamps, "generations", "stamps", call)
         if not isinstance(self.clusters, AbstractPrioritisedReplay):
             raise TypeError(
                 f"`{call}`: the inner replay, a {type(self.clusters).__name__}, has no "
@@ -268,8 +272,8 @@ class ClusteredReplay(AbstractReplay):
             length=(n, "cluster id"),
         )
         priorities = check_vector(priorities, n, call, "priorities")
-        if stamps is not None:
-            stamps = check_stamps(stamps, n, call)
+        if generations is not None:
+            generations = check_generations(generations, n, call)
         # The guard sits on the ids, which every cluster's update reads.
         ids = check_faults(
             ids,
@@ -284,7 +288,9 @@ class ClusteredReplay(AbstractReplay):
         clusters: AbstractPrioritisedReplay = self.clusters
 
         def set_in(cluster: AbstractPrioritisedReplay, c: Int[Array, ""]):
-            return cluster.set_priorities(indices, priorities, mask=ids == c, stamps=stamps)
+            return cluster.set_priorities(
+                indices, priorities, mask=ids == c, generations=generations
+            )
 
         clusters = eqx.filter_vmap(set_in)(clusters, jnp.arange(self.num_clusters, dtype=jnp.int32))
         return eqx.tree_at(lambda r: r.clusters, self, clusters)

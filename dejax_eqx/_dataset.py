@@ -21,23 +21,21 @@ point leaves the dataset readable at its previous end, and the next write overwr
 the killed one left past it.
 """
 
-import contextlib
 import dataclasses
 import importlib.metadata
 import json
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, TypeVar
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import keystr, tree_flatten_with_path
 from jaxtyping import PRNGKeyArray, PyTree
 
+from ._abstract import AbstractTrajectoryBuffer
 from ._checks import (
     as_prototype,
     check_positive_int,
@@ -45,16 +43,17 @@ from ._checks import (
     INT32_MAX,
     Prototype,
 )
-from ._io import _fsync_directory, _new_file_mode
+from ._io import replace_atomically
 from ._prioritised_trajectory import PrioritisedTrajectoryBuffer
-from ._sum_tree import set_leaves, SumTree
-from ._trajectory import EpisodeEnds, LeafName, SequenceSample, TrajectoryBuffer
+from ._sequences import draw_whole_windows, whole_windows
+from ._streams import gather_steps, Streams
+from ._windows import as_whole_window, mask_windows, SequenceSample, Window
 
 
 _FORMAT = 1
 _MANIFEST = "manifest.json"
 _TIME_AXIS = INT32_MAX  # as many steps as an env's int32 step count can number
-_B = TypeVar("_B", TrajectoryBuffer, PrioritisedTrajectoryBuffer)
+_B = TypeVar("_B", bound=AbstractTrajectoryBuffer)
 
 # A hook for the crash-safety tests: called after a write's chunks are in place and before
 # its manifest is committed. Never set outside tests.
@@ -73,7 +72,7 @@ def _tensorstore():
 
 
 def _spec_of_like(like: Any, call: str) -> PyTree[jax.ShapeDtypeStruct]:
-    if isinstance(like, TrajectoryBuffer | PrioritisedTrajectoryBuffer):
+    if isinstance(like, AbstractTrajectoryBuffer):
         return like.item_spec
     return as_prototype(like, f"{call}(like=...)")
 
@@ -112,14 +111,14 @@ class Dataset:
 
     - `Dataset.create(path, prototype, num_envs)` makes an empty dataset;
         `Dataset.open(path, like)` opens one (`like`: the prototype, or a buffer).
-    - `write(buffer)` appends, per env, exactly the steps a `TrajectoryBuffer` or
-        `PrioritisedTrajectoryBuffer` took since the previous write, and refuses, writing
-        nothing, if some were overwritten before they could be written. From a prioritised
-        buffer it also stores the priorities of its windows and its `max_priority`.
+    - `write(buffer)` appends, per env, exactly the steps a trajectory buffer (any
+        `AbstractTrajectoryBuffer`) took since the previous write, and refuses, writing
+        nothing, if some were overwritten before they could be written. From a
+        `PrioritisedTrajectoryBuffer` it also stores the priorities of its windows and its
+        `max_priority`.
     - `append(steps, env_ids=None)` appends steps given directly (`[n, T, ...]`).
-    - `read(env, start, stop)` reads a range of one env's steps; `sample(key, ...)` draws
-        random whole windows with the options of `TrajectoryBuffer.sample`; neither loads the
-        dataset.
+    - `read(env, start, stop)` reads a range of one env's steps; `sample(key, batch_size,
+        window)` draws random whole windows (a strict `Window`); neither loads the dataset.
     - `load(like)` returns a buffer holding each env's newest steps, its counters and (for a
         prioritised buffer) its priorities, to continue training.
 
@@ -137,17 +136,9 @@ class Dataset:
         self._sync = sync
         ts = _tensorstore()
         context = ts.Context({"file_io_sync": sync})
-        self._leaves = [
-            ts.open(self._array_spec(f"leaves/{i}", leaf), open=True, context=context).result()
-            for i, leaf in enumerate(manifest.leaves)
-        ]
-        self._priority = ts.open(
-            self._array_spec("priority", {"shape": [], "dtype": "float32"}, fill=math.nan),
-            open=True,
-            context=context,
-        ).result()
-
-    # -- making and opening -----------------------------------------------------------------
+        specs = _array_specs(path, manifest)
+        self._leaves = [ts.open(x, open=True, context=context).result() for x in specs[:-1]]
+        self._priority = ts.open(specs[-1], open=True, context=context).result()
 
     @classmethod
     def create(
@@ -188,10 +179,8 @@ class Dataset:
         )
         path.mkdir(parents=True)
         ts = _tensorstore()
-        for i, leaf in enumerate(manifest.leaves):
-            ts.open(cls._spec_for(path, manifest, f"leaves/{i}", leaf), create=True).result()
-        priority = {"shape": [], "dtype": "float32"}
-        ts.open(cls._spec_for(path, manifest, "priority", priority, math.nan), create=True).result()
+        for spec_ in _array_specs(path, manifest):
+            ts.open(spec_, create=True).result()
         _commit(path, manifest, sync)
         return cls(path, manifest, spec, sync)
 
@@ -211,28 +200,6 @@ class Dataset:
                 f"`like` describes {_leaves_text(expected)}."
             )
         return cls(path, manifest, spec, sync)
-
-    @staticmethod
-    def _spec_for(path: Path, manifest: _Manifest, name: str, leaf: dict, fill: Any = None):
-        shape = [manifest.num_envs, _TIME_AXIS, *leaf["shape"]]
-        chunk = [1, manifest.chunk_length, *leaf["shape"]]
-        metadata: dict[str, Any] = {
-            "shape": shape,
-            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunk}},
-            "data_type": leaf["dtype"],  # zarr v3 names dtypes as NumPy does
-        }
-        if fill is not None:
-            metadata["fill_value"] = fill
-        return {
-            "driver": "zarr3",
-            "kvstore": {"driver": "file", "path": str(path / name)},
-            "metadata": metadata,
-        }
-
-    def _array_spec(self, name: str, leaf: dict, fill: Any = None):
-        return self._spec_for(self._path, self._manifest, name, leaf, fill)
-
-    # -- what it holds ----------------------------------------------------------------------
 
     @property
     def path(self) -> Path:
@@ -270,12 +237,8 @@ class Dataset:
         return None if p is None else p["max_priority"]
 
     def __repr__(self) -> str:
-        return (
-            f"Dataset({str(self._path)!r}, num_envs={self.num_envs}, "
-            f"steps={int(self.lengths.sum())})"
-        )
-
-    # -- writing ----------------------------------------------------------------------------
+        steps = int(self.lengths.sum())
+        return f"Dataset({str(self._path)!r}, num_envs={self.num_envs}, steps={steps})"
 
     def append(self, steps: PyTree, env_ids: Any = None) -> None:
         """Append `T` steps to each listed env: leaves `[n, T, ...]`, oldest first, as for
@@ -289,20 +252,22 @@ class Dataset:
         call = "Dataset.append"
         # Checked only: the steps go from where they are to disk, not through a device.
         items, n, length = check_sequences(self._spec, steps, call, convert=False)
-        rows = self._env_ids(env_ids, n, call)
+        rows = _env_ids(env_ids, n, self.num_envs, call)
         if length == 0 or n == 0:
             return
         host = [np.asarray(x) for x in jax.tree.leaves(items)]
         new = np.zeros(self.num_envs, np.int64)
         new[rows] = length
-        self._check_count(new, call)
-        self._write_steps({int(e): [x[i] for x in host] for i, e in enumerate(rows)})
+        _check_count(self.ends, new, call)
+        _write_steps(
+            self._leaves, self.lengths, {int(e): [x[i] for x in host] for i, e in enumerate(rows)}
+        )
         manifest = dataclasses.replace(
             self._manifest, length=(self.lengths + new).tolist(), writes=self._manifest.writes + 1
         )
         self._commit(manifest)
 
-    def write(self, buffer: TrajectoryBuffer | PrioritisedTrajectoryBuffer) -> int:
+    def write(self, buffer: AbstractTrajectoryBuffer) -> int:
         """Append the steps each env of `buffer` took since the previous write; return how
         many were written.
 
@@ -322,47 +287,24 @@ class Dataset:
             the buffer written before.
         """
         call = "Dataset.write"
-        t, _ = self._streams(buffer, call, "the buffer")
+        t = _streams_of(buffer, self._manifest, call, "the buffer")
         count = np.asarray(t.step_count, np.int64)
-        stored = np.asarray(t.replay_length, np.int64)
+        stored = np.asarray(t.lengths, np.int64)
         manifest = self._manifest
         if manifest.writes == 0 and not self.lengths.any():
             manifest = dataclasses.replace(manifest, start=(count - stored).tolist())
         end = np.asarray(manifest.start, np.int64) + self.lengths
-        new = count - end
-        behind = np.flatnonzero(new < 0)
-        if behind.size:
-            e = int(behind[0])
-            raise ValueError(
-                f"`{call}`: env {e} of the buffer has taken {count[e]} steps, fewer than the "
-                f"{end[e]} the dataset already holds up to: it is not the buffer this dataset "
-                "follows (or it was reset)."
-            )
-        lost = np.flatnonzero(new > stored)
-        if lost.size:
-            e = int(lost[0])
-            raise ValueError(
-                f"`{call}`: env {e} took {new[e]} steps since the previous write, but the "
-                f"buffer holds only its last {stored[e]} (max_length = {t.max_length}): "
-                f"{new[e] - stored[e]} steps were overwritten before they could be written. "
-                f"Nothing was written. Write at least every {t.max_length} steps of each env "
-                f"({lost.size} env(s) lost steps)."
-            )
+        new = _new_steps(count, stored, end, t.max_length, call)
         priorities = manifest.priorities
         if isinstance(buffer, PrioritisedTrajectoryBuffer):
-            mismatch = self._priority_mismatch(buffer)
-            if mismatch:
-                key, value, old = mismatch
-                raise ValueError(
-                    f"`{call}`: the buffer's {key} is {value}, but the dataset's "
-                    f"priorities were written with {old}."
-                )
+            _check_priorities(manifest, buffer, call, "the buffer's")
             priorities = _priority_settings(buffer) | {"max_priority": float(buffer.max_priority)}
-        self._check_count(new, call)
-        steps = _newest(t, new, end)
-        self._write_steps({int(e): [x[e, : new[e]] for x in steps] for e in np.flatnonzero(new)})
+        _check_count(self.ends, new, call)
+        steps = _newest(t, new)
+        per_env = {int(e): [x[e, : new[e]] for x in steps] for e in np.flatnonzero(new)}
+        _write_steps(self._leaves, self.lengths, per_env)
         if isinstance(buffer, PrioritisedTrajectoryBuffer):
-            self._write_priorities(buffer, np.asarray(manifest.start, np.int64))
+            _write_masses(self._priority, buffer, np.asarray(manifest.start, np.int64))
         manifest = dataclasses.replace(
             manifest,
             length=(self.lengths + new).tolist(),
@@ -372,103 +314,11 @@ class Dataset:
         self._commit(manifest)
         return int(new.sum())
 
-    def _streams(self, buffer: Any, call: str, what: str) -> tuple[TrajectoryBuffer, bool]:
-        """The per-env streams of `buffer`, checked against the dataset, and whether it is
-        prioritised."""
-        prioritised = isinstance(buffer, PrioritisedTrajectoryBuffer)
-        if not isinstance(buffer, TrajectoryBuffer | PrioritisedTrajectoryBuffer):
-            raise TypeError(
-                f"`{call}`: {what} must be a TrajectoryBuffer or PrioritisedTrajectoryBuffer, "
-                f"got {type(buffer).__name__}."
-            )
-        t = buffer.trajectories if prioritised else buffer
-        self._check_buffer(t, call)
-        return t, prioritised
-
-    def _check_buffer(self, t: TrajectoryBuffer, call: str) -> None:
-        if t.num_envs != self.num_envs:
-            raise ValueError(
-                f"`{call}`: the buffer has {t.num_envs} envs, the dataset {self.num_envs}."
-            )
-        found = _describe(t.item_spec)
-        if found != self._manifest.leaves:
-            raise ValueError(
-                f"`{call}`: the buffer's steps are {_leaves_text(found)}, the dataset's "
-                f"{_leaves_text(self._manifest.leaves)}."
-            )
-
-    def _priority_mismatch(self, buffer: PrioritisedTrajectoryBuffer) -> tuple | None:
-        """The first setting `(name, buffer's value, dataset's value)` in which `buffer`
-        differs from the buffer the priorities were written from, or `None`."""
-        old = self._manifest.priorities
-        if old is None:
-            return None
-        for key, value in _priority_settings(buffer).items():
-            if old[key] != value:
-                return key, value, old[key]
-        return None
-
-    def _check_count(self, new: np.ndarray, call: str) -> None:
-        over = np.flatnonzero(self.ends + new > INT32_MAX)
-        if over.size:
-            raise ValueError(
-                f"`{call}`: env {int(over[0])} would pass 2**31 - 1 steps, the most a "
-                "dataset (and a buffer's int32 step count) numbers."
-            )
-
-    def _env_ids(self, env_ids: Any, n: int, call: str) -> np.ndarray:
-        if env_ids is None:
-            if n != self.num_envs:
-                raise ValueError(
-                    f"`{call}`: without `env_ids` there must be steps for every env, but the "
-                    f"batch has {n} entries and num_envs is {self.num_envs}."
-                )
-            return np.arange(n)
-        ids = np.asarray(env_ids)
-        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
-            raise TypeError(
-                f"`{call}(env_ids=...)` must be a 1-D integer array, got shape {ids.shape} and "
-                f"dtype {ids.dtype}."
-            )
-        if ids.shape[0] != n:
-            raise ValueError(f"`{call}`: {ids.shape[0]} env ids for a batch of {n} envs' steps.")
-        if ((ids < 0) | (ids >= self.num_envs)).any():
-            raise ValueError(
-                f"`{call}`: an env id is out of range; env ids must satisfy 0 <= env_id < "
-                f"num_envs = {self.num_envs}."
-            )
-        if np.unique(ids).size != ids.size:
-            raise ValueError(f"`{call}`: an env id occurs more than once.")
-        return ids.astype(np.int64)
-
-    def _write_steps(self, per_env: dict[int, list[np.ndarray]]) -> None:
-        """Write each env's new steps past its committed end, all chunks concurrently."""
-        futures = []
-        for e, leaves in per_env.items():
-            at = int(self.lengths[e])
-            for array, x in zip(self._leaves, leaves):
-                futures.append(array[e, at : at + x.shape[0]].write(x))
-        for f in futures:
-            f.result()
-
-    def _write_priorities(self, buffer: PrioritisedTrajectoryBuffer, start: np.ndarray) -> None:
-        """The mass of every window the buffer holds, at its first step's position."""
-        masses = np.asarray(buffer.tree.leaves).astype(np.float32)
-        futures = [
-            # Windows are `period` apart: index their positions.
-            self._priority[e].vindex[starts - start[e]].write(masses[leaves])
-            for e, starts, leaves in _held_windows(buffer, buffer.trajectories, start)
-        ]
-        for f in futures:
-            f.result()
-
     def _commit(self, manifest: _Manifest) -> None:
         if _BEFORE_COMMIT is not None:
             _BEFORE_COMMIT(self)
         _commit(self._path, manifest, self._sync)
         self._manifest = manifest
-
-    # -- reading ----------------------------------------------------------------------------
 
     def read(self, env: int, start: int, stop: int) -> PyTree[np.ndarray]:
         """The steps `start .. stop - 1` (absolute step numbers) of env `env`, as NumPy arrays
@@ -482,7 +332,7 @@ class Dataset:
 
     def _range(self, env: Any, start: int, stop: int, call: str) -> tuple[int, int]:
         """The checked env and its first stored step, for steps `start .. stop - 1`."""
-        env = self._env_index(env, call)
+        env = _env_index(env, self.num_envs, call)
         first, end = int(self.starts[env]), int(self.ends[env])
         if not (first <= start <= stop <= end):
             raise ValueError(
@@ -491,83 +341,38 @@ class Dataset:
             )
         return env, first
 
-    def _env_index(self, env: Any, call: str) -> int:
-        if not isinstance(env, int | np.integer) or isinstance(env, bool):
-            raise TypeError(f"`{call}(env=...)` must be an int, got {env!r}.")
-        if not 0 <= env < self.num_envs:
-            raise ValueError(
-                f"`{call}`: env {env} is out of range; 0 <= env < num_envs = {self.num_envs}."
-            )
-        return int(env)
-
     def sample(
-        self,
-        key: PRNGKeyArray,
-        batch_size: int,
-        sequence_length: int,
-        *,
-        burn_in: int = 0,
-        bootstrap: int = 0,
-        period: int = 1,
-        episode_ends: EpisodeEnds = "cross",
-        done: LeafName | tuple[LeafName, ...] | None = None,
+        self, key: PRNGKeyArray, batch_size: int, window: Window | int, **options: Any
     ) -> SequenceSample:
         """Draw `batch_size` whole windows uniformly, with replacement, over every env and
-        every start on a multiple of `period` (absolute step numbers) whose `W = burn_in +
-        sequence_length + bootstrap` steps are stored: `TrajectoryBuffer.sample` with
-        `strict=True` and the same options, on the dataset. Only the drawn windows are read.
+        every start that `window` (a strict `Window`) admits: on a multiple of its period
+        (absolute step numbers), with all `W = burn_in + sequence_length + bootstrap` steps
+        stored. As `TrajectoryBuffer.sample` with the same window, on the dataset; only the
+        drawn windows are read.
 
         **Returns:** a `SequenceSample` `(items, mask, learn, env, start)` of JAX arrays.
 
-        **Raises:** `ValueError`/`TypeError` for bad options (as `TrajectoryBuffer.sample`),
-        and `ValueError` if no env holds a whole window yet.
+        **Raises:** `ValueError`/`TypeError` for a bad window (not strict, or `done` naming no
+        boolean leaf of the steps), and `ValueError` if no env holds a whole window yet.
         """
         call = "Dataset.sample"
         batch_size = check_positive_int(batch_size, f"{call}(batch_size=...)")
-        check_positive_int(sequence_length, f"{call}(sequence_length=...)")
-        window = burn_in + sequence_length + bootstrap
-        # The options are checked, and the windows masked, by a TrajectoryBuffer's own code:
-        # one stream per sampled window, each holding exactly its window.
-        template = eqx.filter_eval_shape(
-            TrajectoryBuffer, self._spec, num_envs=batch_size, max_length=max(window, 1)
-        )
-        windows = template._windows(
-            call, sequence_length, burn_in, bootstrap, period, True, episode_ends, done
-        )
-        law = windows.law
-        starts, ends = self.starts, self.ends
-        first = -(-starts // law.period) * law.period
-        per_env = np.maximum((ends - law.size - first) // law.period + 1, 0)
-        total = int(per_env.sum())
-        if total == 0:
+        window = _whole_window(window, options, self._spec, call)
+        first, number = whole_windows(self.starts, self.ends, window.size, window.period)
+        if number.sum() == 0:
             raise ValueError(
-                f"`{call}`: no env holds a whole window of {law.size} steps starting on a "
-                f"multiple of period = {law.period} yet."
+                f"`{call}`: no env holds a whole window of {window.size} steps starting on a "
+                f"multiple of period = {window.period} yet."
             )
-        draws = np.asarray(jax.random.randint(key, (batch_size,), 0, total, dtype=jnp.int32))
-        cumulative = np.cumsum(per_env)
-        env = np.searchsorted(cumulative, draws, side="right")
-        start = first[env] + (draws - (cumulative[env] - per_env[env])) * law.period
-        offsets = (start - starts[env])[:, None] + np.arange(law.size)[None, :]
+        env, start = draw_whole_windows(key, first, number, window.period, batch_size)
+        offsets = (start - self.starts[env])[:, None] + np.arange(window.size)[None, :]
         rows = np.broadcast_to(env[:, None], offsets.shape)
-        out = [a.vindex[rows, offsets].read().result() for a in self._leaves]
-        data = jax.tree.unflatten(jax.tree.structure(self._spec), [jnp.asarray(x) for x in out])
-        # Window b is the whole stream of env b of a buffer that has taken W steps; its env
-        # and start are put back afterwards.
-        holder = eqx.tree_at(
-            lambda b: (b.data, b.step_count, b.replay_length, b.online_length),
-            template,
-            (
-                data,
-                jnp.full(batch_size, law.size, jnp.int32),
-                jnp.full(batch_size, law.size, jnp.int32),
-                jnp.zeros(batch_size, jnp.int32),
-            ),
+        out = [jnp.asarray(a.vindex[rows, offsets].read().result()) for a in self._leaves]
+        items = jax.tree.unflatten(jax.tree.structure(self._spec), out)
+        full = jnp.full(batch_size, window.size, jnp.int32)
+        return mask_windows(
+            items, full, window, jnp.asarray(env, jnp.int32), jnp.asarray(start, jnp.int32)
         )
-        b = jnp.arange(batch_size, dtype=jnp.int32)
-        full = jnp.full(batch_size, law.size, jnp.int32)
-        sample = holder._gather(b, full, full, windows)
-        return sample._replace(env=jnp.asarray(env, jnp.int32), start=jnp.asarray(start, jnp.int32))
 
     def priorities(self, env: int, start: int, stop: int) -> np.ndarray:
         """The stored sum-tree masses (`priority ** priority_exponent`) of the windows that
@@ -576,12 +381,10 @@ class Dataset:
         env, first = self._range(env, start, stop, "Dataset.priorities")
         return self._priority[env, start - first : stop - first].read().result()
 
-    # -- into a buffer ----------------------------------------------------------------------
-
     def load(self, like: _B) -> _B:
         """A buffer of `like`'s type and configuration holding each env's newest steps (up to
-        its `max_length`), with its step counts, to continue training. Its online queue is
-        empty.
+        its `max_length`), with its step counts, to continue training (`like.with_streams`:
+        an empty online queue, nothing unread).
 
         For a `PrioritisedTrajectoryBuffer`, each stored window gets the priority the dataset
         holds for it, and the buffer its `max_priority`; windows with none (steps written
@@ -594,113 +397,228 @@ class Dataset:
         were written with.
         """
         call = "Dataset.load"
-        template, prioritised = self._streams(like, call, "`like`")
-        m = template.max_length
-        ends = self.ends
-        kept = np.minimum(self.lengths, m)
+        template = _streams_of(like, self._manifest, call, "`like`")
+        if isinstance(like, PrioritisedTrajectoryBuffer):  # before any reading
+            _check_priorities(self._manifest, like, call, "`like`'s")
+        ends, kept = self.ends, np.minimum(self.lengths, template.max_length)
         data = [
-            np.zeros((self.num_envs, m, *leaf["shape"]), leaf["dtype"])
+            np.zeros((self.num_envs, template.max_length, *leaf["shape"]), leaf["dtype"])
             for leaf in self._manifest.leaves
         ]
-        for e in range(self.num_envs):
-            if kept[e] == 0:
-                continue
-            steps = np.arange(ends[e] - kept[e], ends[e])
-            values = self.read(e, int(steps[0]), int(ends[e]))
+        for e in np.flatnonzero(kept):
+            values = self.read(int(e), int(ends[e] - kept[e]), int(ends[e]))
             for out, x in zip(data, jax.tree.leaves(values)):
-                out[e, steps % m] = x
-        # Every array of `template` is replaced: it may hold no arrays at all (eval_shape).
-        trajectories = eqx.tree_at(
-            lambda b: (b.data, b.step_count, b.replay_length, b.online_length),
-            template,
-            (
-                jax.tree.unflatten(jax.tree.structure(self._spec), [jnp.asarray(x) for x in data]),
-                jnp.asarray(ends, jnp.int32),
-                jnp.asarray(kept, jnp.int32),
-                jnp.zeros(self.num_envs, jnp.int32),
-            ),
-        )
-        if not prioritised:
-            return trajectories  # type: ignore[return-value]
-        return self._load_prioritised(like, trajectories, call)  # type: ignore[return-value]
+                out[e, : kept[e]] = x
+        steps = jax.tree.unflatten(jax.tree.structure(self._spec), data)
+        buffer = like.with_streams(template.restore(steps, ends, kept))
+        if isinstance(buffer, PrioritisedTrajectoryBuffer):
+            buffer = self._load_priorities(buffer)
+        return buffer  # type: ignore[return-value]
 
-    def _load_prioritised(
-        self, like: PrioritisedTrajectoryBuffer, trajectories: TrajectoryBuffer, call: str
-    ) -> PrioritisedTrajectoryBuffer:
-        mismatch = self._priority_mismatch(like)
-        if mismatch:
-            key, value, old = mismatch
-            raise ValueError(
-                f"`{call}`: `like` has {key} = {value}, but the dataset's priorities were "
-                f"written with {old}."
-            )
+    def _load_priorities(self, buffer: PrioritisedTrajectoryBuffer) -> PrioritisedTrajectoryBuffer:
+        """`buffer` (fresh from `with_streams`) with the stored masses of its windows."""
         meta = self._manifest.priorities
-        dtype = like.max_priority.dtype
-        max_priority = jnp.asarray(1.0 if meta is None else meta["max_priority"], dtype)
-        default = float(max_priority) ** like.priority_exponent
-        leaves, masses = [], []
-        for e, starts, held in _held_windows(like, trajectories, self.starts):
+        top = jnp.asarray(1.0 if meta is None else meta["max_priority"], buffer.max_priority.dtype)
+        # Windows without a stored mass get the largest priority's, as new windows do.
+        shape = (buffer.num_envs, buffer.leaves_per_env)
+        masses = np.array(jnp.broadcast_to(buffer.priorities.mass(top), shape))
+        for e, starts, _, leaves in _held_windows(buffer, self.starts):
             stored = self._priority[e].vindex[starts - self.starts[e]].read().result()
-            masses.append(np.where(np.isnan(stored), default, stored))
-            leaves.append(held)
-        tree = SumTree(like.tree.capacity, dtype)
-        if leaves:
-            tree = set_leaves(
-                tree,
-                jnp.asarray(np.concatenate(leaves), jnp.int32),
-                jnp.asarray(np.concatenate(masses), dtype),
-                unique=True,
-            )
-        return eqx.tree_at(
-            lambda b: (b.trajectories, b.tree, b.max_priority),
-            like,
-            (trajectories, tree, max_priority),
+            masses[e, leaves] = np.where(np.isnan(stored), masses[e, leaves], stored)
+        return buffer.with_window_masses(masses, max_priority=top)
+
+
+def _streams_of(buffer: Any, manifest: _Manifest, call: str, what: str) -> Streams:
+    """The per-env streams of `buffer`, checked against the dataset's."""
+    if not isinstance(buffer, AbstractTrajectoryBuffer):
+        raise TypeError(
+            f"`{call}`: {what} must be a trajectory buffer (an AbstractTrajectoryBuffer: "
+            f"TrajectoryBuffer, PrioritisedTrajectoryBuffer, TrajectoryQueue), got "
+            f"{type(buffer).__name__}."
         )
+    t = buffer.streams
+    if t.num_envs != manifest.num_envs:
+        raise ValueError(
+            f"`{call}`: the buffer has {t.num_envs} envs, the dataset {manifest.num_envs}."
+        )
+    found = _describe(t.item_spec)
+    if found != manifest.leaves:
+        raise ValueError(
+            f"`{call}`: the buffer's steps are {_leaves_text(found)}, the dataset's "
+            f"{_leaves_text(manifest.leaves)}."
+        )
+    return t
+
+
+def _write_steps(arrays: list, lengths: np.ndarray, per_env: dict[int, list[np.ndarray]]) -> None:
+    """Write each env's new steps past its committed end (`lengths`), all chunks concurrently."""
+    futures = []
+    for e, leaves in per_env.items():
+        at = int(lengths[e])
+        for array, x in zip(arrays, leaves):
+            futures.append(array[e, at : at + x.shape[0]].write(x))
+    for f in futures:
+        f.result()
+
+
+def _write_masses(array: Any, buffer: PrioritisedTrajectoryBuffer, start: np.ndarray) -> None:
+    """The mass of every window the buffer holds, at its first step's position."""
+    futures = [
+        array[e].vindex[starts - start[e]].write(masses.astype(np.float32))
+        for e, starts, masses, _ in _held_windows(buffer, start)
+    ]
+    for f in futures:
+        f.result()
+
+
+def _array_specs(path: Path, manifest: _Manifest) -> list[dict]:
+    """The tensorstore specs of the dataset's arrays: one per leaf, then the priorities."""
+    priority = {"shape": [], "dtype": "float32"}
+    named = [(f"leaves/{i}", leaf, None) for i, leaf in enumerate(manifest.leaves)]
+    out = []
+    for name, leaf, fill in [*named, ("priority", priority, math.nan)]:
+        chunk = [1, manifest.chunk_length, *leaf["shape"]]
+        metadata: dict[str, Any] = {
+            "shape": [manifest.num_envs, _TIME_AXIS, *leaf["shape"]],
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunk}},
+            "data_type": leaf["dtype"],  # zarr v3 names dtypes as NumPy does
+        }
+        if fill is not None:
+            metadata["fill_value"] = fill
+        kvstore = {"driver": "file", "path": str(path / name)}
+        out.append({"driver": "zarr3", "kvstore": kvstore, "metadata": metadata})
+    return out
+
+
+def _env_ids(env_ids: Any, n: int, num_envs: int, call: str) -> np.ndarray:
+    """`append`'s env ids, checked: distinct ids in `[0, num_envs)`, one per entry."""
+    if env_ids is None:
+        if n != num_envs:
+            raise ValueError(
+                f"`{call}`: without `env_ids` there must be steps for every env, but the "
+                f"batch has {n} entries and num_envs is {num_envs}."
+            )
+        return np.arange(n)
+    ids = np.asarray(env_ids)
+    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+        raise TypeError(
+            f"`{call}(env_ids=...)` must be a 1-D integer array, got shape {ids.shape} and "
+            f"dtype {ids.dtype}."
+        )
+    if ids.shape[0] != n:
+        raise ValueError(f"`{call}`: {ids.shape[0]} env ids for a batch of {n} envs' steps.")
+    if ((ids < 0) | (ids >= num_envs)).any():
+        raise ValueError(
+            f"`{call}`: an env id is out of range; env ids must satisfy 0 <= env_id < "
+            f"num_envs = {num_envs}."
+        )
+    if np.unique(ids).size != ids.size:
+        raise ValueError(f"`{call}`: an env id occurs more than once.")
+    return ids.astype(np.int64)
+
+
+def _env_index(env: Any, num_envs: int, call: str) -> int:
+    if not isinstance(env, int | np.integer) or isinstance(env, bool):
+        raise TypeError(f"`{call}(env=...)` must be an int, got {env!r}.")
+    if not 0 <= env < num_envs:
+        raise ValueError(f"`{call}`: env {env} is out of range; 0 <= env < num_envs = {num_envs}.")
+    return int(env)
+
+
+def _check_count(ends: np.ndarray, new: np.ndarray, call: str) -> None:
+    over = np.flatnonzero(ends + new > INT32_MAX)
+    if over.size:
+        raise ValueError(
+            f"`{call}`: env {int(over[0])} would pass 2**31 - 1 steps, the most a dataset (and a "
+            "buffer's int32 step count) numbers."
+        )
+
+
+def _new_steps(
+    count: np.ndarray, stored: np.ndarray, end: np.ndarray, max_length: int, call: str
+) -> np.ndarray:
+    """Per env, the steps a buffer that has taken `count` and stores `stored` took since the
+    dataset's `end`, refused if the buffer is behind or has overwritten some of them."""
+    new = count - end
+    behind = np.flatnonzero(new < 0)
+    if behind.size:
+        e = int(behind[0])
+        raise ValueError(
+            f"`{call}`: env {e} of the buffer has taken {count[e]} steps, fewer than the "
+            f"{end[e]} the dataset already holds up to: it is not the buffer this dataset "
+            "follows (or it was reset)."
+        )
+    lost = np.flatnonzero(new > stored)
+    if lost.size:
+        e = int(lost[0])
+        raise ValueError(
+            f"`{call}`: env {e} took {new[e]} steps since the previous write, but the buffer "
+            f"holds only its last {stored[e]} (max_length = {max_length}): "
+            f"{new[e] - stored[e]} steps were overwritten before they could be written. Nothing "
+            f"was written. Write at least every {max_length} steps of each env ({lost.size} "
+            "env(s) lost steps)."
+        )
+    return new
+
+
+def _check_priorities(
+    manifest: _Manifest, buffer: PrioritisedTrajectoryBuffer, call: str, whose: str
+) -> None:
+    """Refuse a prioritised buffer whose exponent, period or window differ from those of the
+    buffer the dataset's priorities were written from."""
+    old = manifest.priorities
+    for key, value in _priority_settings(buffer).items():
+        if old is not None and old[key] != value:
+            raise ValueError(
+                f"`{call}`: {whose} {key} is {value}, but the dataset's priorities were "
+                f"written with {old[key]}."
+            )
+
+
+def _whole_window(window: Any, options: dict[str, Any], spec: PyTree, call: str) -> Window:
+    """`sample`'s window: strict, its `done` leaves among the steps'."""
+    window = as_whole_window(window, options, call, "a dataset is sampled in whole windows")
+    window.check(spec, _TIME_AXIS, call)
+    return window
 
 
 def _priority_settings(buffer: PrioritisedTrajectoryBuffer) -> dict:
     """What the stored masses depend on: the exponent and which windows they are of."""
     return {
         "priority_exponent": buffer.priority_exponent,
-        "period": buffer.period,
-        "window": buffer.window,
+        "period": buffer.window.period,
+        "window": buffer.window.size,
     }
 
 
 def _held_windows(
-    buffer: PrioritisedTrajectoryBuffer, streams: TrajectoryBuffer, floor: np.ndarray
-) -> list[tuple[int, np.ndarray, np.ndarray]]:
-    """Per env `e` with any, `(e, starts, leaves)`: the starts of the windows `streams` hold
-    whole (on `buffer`'s period, none before `floor[e]`), and their sum-tree leaves."""
-    count = np.asarray(streams.step_count, np.int64)
-    oldest = np.maximum(count - np.asarray(streams.replay_length, np.int64), floor)
-    p = buffer.period
+    buffer: PrioritisedTrajectoryBuffer, floor: np.ndarray
+) -> list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
+    """Per env `e` with any, `(e, starts, masses, leaves)`: the windows `buffer` holds whole
+    that start at or after `floor[e]`, their masses and their leaves in the env's row of
+    `window_masses`, on the host."""
+    held = jax.tree.map(np.asarray, buffer.window_masses())
     out = []
-    for e in range(streams.num_envs):
-        first = -(-oldest[e] // p) * p
-        starts = np.arange(first, count[e] - buffer.window + 1, p, dtype=np.int64)
-        if starts.size:
-            env = jnp.full(starts.shape, e, jnp.int32)
-            leaves = buffer._leaf(env, jnp.asarray(starts, jnp.int32))
-            out.append((e, starts, np.asarray(leaves)))
+    for e in range(buffer.num_envs):
+        (leaves,) = np.nonzero(held.held[e] & (held.start[e] >= floor[e]))
+        if leaves.size:
+            out.append((e, held.start[e, leaves].astype(np.int64), held.mass[e, leaves], leaves))
     return out
 
 
-def _newest(t: TrajectoryBuffer, new: np.ndarray, end: np.ndarray) -> list[np.ndarray]:
-    """Per leaf, `[num_envs, max(new)]` on the host: env e's steps `end[e] ..` (the first
-    `new[e]` of each row are its new steps), gathered on the device."""
+def _newest(t: Streams, new: np.ndarray) -> list[np.ndarray]:
+    """Per leaf, `[num_envs, max(new)]` on the host: the first `new[e]` entries of row `e` are
+    env e's newest `new[e]` steps, oldest first, gathered on the device."""
     width = int(new.max(initial=0))
     if width == 0:
         return [np.zeros((t.num_envs, 0, *s.shape), s.dtype) for s in jax.tree.leaves(t.item_spec)]
-    slots = (end[:, None] + np.arange(width)[None, :]) % t.max_length
-    rows = np.arange(t.num_envs)[:, None]
-    gathered = _gather(t.data, jnp.asarray(rows, jnp.int32), jnp.asarray(slots, jnp.int32))
+    env = jnp.arange(t.num_envs, dtype=jnp.int32)
+    gathered = _gather(t, env, jnp.asarray(new, jnp.int32), width)
     return [np.asarray(x) for x in jax.tree.leaves(gathered)]
 
 
-@jax.jit
-def _gather(data, rows, slots):
-    return jax.tree.map(lambda x: x[rows, slots], data)
+# One compiled gather per width (the rows past an env's new steps are read and not used).
+_gather = jax.jit(gather_steps, static_argnums=3)
 
 
 def _leaves_text(leaves: list[dict]) -> str:
@@ -723,21 +641,6 @@ def _read_manifest(path: Path, call: str) -> _Manifest:
 
 
 def _commit(path: Path, manifest: _Manifest, sync: bool) -> None:
-    """Replace the manifest atomically: temporary file, fsync, rename, directory fsync (the
-    fsyncs only with `sync`)."""
-    target = path / _MANIFEST
-    fd, tmp = tempfile.mkstemp(prefix=f".{_MANIFEST}.", suffix=".tmp", dir=path)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(manifest.to_json(), f, indent=1)
-            f.flush()
-            if sync:
-                os.fsync(f.fileno())
-        os.chmod(tmp, _new_file_mode(str(target)))
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    if sync:
-        _fsync_directory(str(path))
+    """Replace the manifest atomically (`replace_atomically`: the fsyncs only with `sync`)."""
+    text = json.dumps(manifest.to_json(), indent=1)
+    replace_atomically(path / _MANIFEST, lambda f: f.write(text.encode()), sync=sync)

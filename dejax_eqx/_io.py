@@ -24,7 +24,8 @@ import os
 import stat
 import struct
 import tempfile
-from typing import Any, Protocol, runtime_checkable, TypeVar
+from collections.abc import Callable
+from typing import Any, BinaryIO, Protocol, runtime_checkable, TypeVar
 
 import equinox as eqx
 import jax
@@ -51,7 +52,11 @@ class _Reader(Protocol):
 
 
 _MAGIC = b"DEJAXEQX"
-_FORMAT_VERSION = 1
+# 1: dejax_eqx 0.1. 2: dejax_eqx 0.2, the same bytes, but the fields of `TrajectoryBuffer`,
+# `PrioritisedTrajectoryBuffer`, `TrajectoryQueue` and `PrioritisedReplay` moved into new
+# submodules, so a version-1 file of one of those no longer matches any `like`. `load` still
+# reads a version-1 file that matches `like` (the types whose layout did not change).
+_FORMAT_VERSION = 2
 _PREFIX = struct.Struct("<8sIQ")  # magic, format version, header length in bytes
 _DIGEST_SIZE = hashlib.sha256().digest_size  # 32
 _CHUNK = 1 << 24  # bytes hashed at a time when verifying a file
@@ -276,6 +281,51 @@ def _fsync_directory(directory: str) -> None:
         os.close(fd)
 
 
+def replace_atomically(
+    path: str | os.PathLike, write: Callable[[BinaryIO], object], *, sync: bool = True
+) -> None:
+    """Write the file at `path` all at once: readers see the old file or the new one, never
+    a part of the new one.
+
+    `write` writes the contents to a temporary file in the same directory, which is then
+    flushed, `fsync`ed, given the permissions `open(path, "w")` would give it (those of the
+    file it replaces, or the umask's for a new one) and renamed over `path`; the directory
+    is `fsync`ed last, so that the rename itself survives a crash. If anything fails or is
+    interrupted before the rename, the temporary file is removed and `path` is left as it
+    was (absent, or the previous file).
+
+    **Arguments:**
+
+    - `path`: the file to write. An existing file is replaced.
+    - `write`: called once with the temporary file, open for writing in binary mode. A text
+        payload is written encoded: `lambda f: f.write(text.encode())`. Its return value is
+        ignored.
+    - `sync`: whether to `fsync` the file and the directory. Without it the rename is still
+        atomic for readers, but a crash of the machine may leave the old file, or an empty
+        or partly written new one.
+
+    **Raises:** whatever `write` raises, and any `OSError` from the file system, after
+    removing the temporary file.
+    """
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, temp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as file:
+            write(file)
+            file.flush()
+            if sync:
+                os.fsync(file.fileno())
+        os.chmod(temp, _new_file_mode(path))
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
+        raise
+    if sync:
+        _fsync_directory(directory)
+
+
 def save(path: str | os.PathLike, buffer: PyTree) -> None:
     """Save a buffer to a file, atomically.
 
@@ -285,8 +335,9 @@ def save(path: str | os.PathLike, buffer: PyTree) -> None:
     themselves bit for bit and a checksum; see the "Save and load" docs page for the format.
 
     The write is atomic: the data goes to a temporary file in the same directory, which is
-    flushed and `fsync`ed, then renamed over `path`. If anything fails midway, `path` is left
-    as it was (absent, or the previous save), and the temporary file is removed.
+    flushed and `fsync`ed, then renamed over `path` (`replace_atomically`). If anything fails
+    midway, `path` is left as it was (absent, or the previous save), and the temporary file is
+    removed.
 
     Static fields that are functions (such as a user's `cluster_fn`) are recorded by their
     qualified name only: the function itself is not saved. `load` takes it from `like` and
@@ -332,30 +383,34 @@ def save(path: str | os.PathLike, buffer: PyTree) -> None:
     )
     header_bytes = json.dumps(header, sort_keys=True, allow_nan=False).encode()
 
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    mode = _new_file_mode(path)
-    fd, temp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as file:
-            out = _HashingWriter(file)
-            out.write(_PREFIX.pack(_MAGIC, _FORMAT_VERSION, len(header_bytes)))
-            out.write(header_bytes)
-            eqx.tree_serialise_leaves(out, buffer, filter_spec=_write_leaf)
-            file.write(out.digest())
-            file.flush()
-            os.fsync(file.fileno())
-        os.chmod(temp, mode)
-        os.replace(temp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temp)
-        raise
-    _fsync_directory(directory)
+    def write(file: BinaryIO) -> None:
+        out = _HashingWriter(file)
+        out.write(_PREFIX.pack(_MAGIC, _FORMAT_VERSION, len(header_bytes)))
+        out.write(header_bytes)
+        eqx.tree_serialise_leaves(out, buffer, filter_spec=_write_leaf)
+        file.write(out.digest())
+
+    replace_atomically(path, write)
 
 
 def _corrupt(call: str, detail: str) -> ValueError:
     return ValueError(f"`{call}`: {detail}; nothing was loaded.")
+
+
+def _format_1_mismatch(call: str, name: str, differences: list[str]) -> ValueError:
+    return ValueError(
+        f"`{call}`: {name!r} was written by dejax_eqx 0.1 (format 1) and does not match "
+        "`like`. The layout of `TrajectoryBuffer`, `PrioritisedTrajectoryBuffer`, "
+        "`TrajectoryQueue` and `PrioritisedReplay` changed in dejax_eqx 0.2, so this version "
+        "cannot load their 0.1 files. To carry a `TrajectoryBuffer` or "
+        "`PrioritisedTrajectoryBuffer` over, load it with dejax_eqx 0.1, write it to a "
+        "`dx.Dataset` with `Dataset.write`, and `Dataset.load` it with this version (datasets "
+        "carry over unchanged); for a `TrajectoryQueue`, whose unread steps a dataset does not "
+        "keep, read them with dejax_eqx 0.1 and add them to a new queue. To carry a "
+        "`PrioritisedReplay` over, load it with dejax_eqx 0.1 and add its items, with their "
+        "priorities, to a new one. The file differs from `like` in:\n"
+        + "\n".join(f"  - {d}" for d in differences)
+    )
 
 
 def load(path: str | os.PathLike, like: _T) -> _T:
@@ -374,6 +429,11 @@ def load(path: str | os.PathLike, like: _T) -> _T:
     The whole file is checked against its checksum before anything is read from it, so a
     truncated or corrupted file raises an error and never yields a partly filled buffer.
 
+    Files written by dejax_eqx 0.1 (format 1) load when they match `like`: the bytes are laid
+    out as before, and only the fields of `TrajectoryBuffer`, `PrioritisedTrajectoryBuffer`,
+    `TrajectoryQueue` and `PrioritisedReplay` changed. A 0.1 file that does not match, as one
+    of those four cannot, is refused with directions for carrying it over.
+
     **Arguments:**
 
     - `path`: a file written by `dx.save`.
@@ -385,7 +445,8 @@ def load(path: str | os.PathLike, like: _T) -> _T:
     **Raises:** `ValueError` if the file is not a dejax_eqx save, is truncated or corrupted,
     has a format version this version cannot read, or does not match `like` (the message
     lists each differing field: type, static value, or leaf path with expected and found shape
-    or dtype). `OSError` from the file system (`FileNotFoundError`, ...).
+    or dtype; for a 0.1 file it also says how to carry it over). `OSError` from the file
+    system (`FileNotFoundError`, ...).
     """
     call = "dx.load"
     expected = _describe(like, call)
@@ -415,10 +476,10 @@ def load(path: str | os.PathLike, like: _T) -> _T:
                 "does not match the one stored at its end",
             )
         _, version, header_size = _PREFIX.unpack(prefix)
-        if version != _FORMAT_VERSION:
+        if version not in (1, _FORMAT_VERSION):
             raise ValueError(
                 f"`{call}`: {name!r} has format version {version}; this version of dejax_eqx "
-                f"reads version {_FORMAT_VERSION} only."
+                f"reads versions 1 and {_FORMAT_VERSION} only."
             )
         file.seek(_PREFIX.size)
         try:
@@ -426,6 +487,8 @@ def load(path: str | os.PathLike, like: _T) -> _T:
             differences = _differences(expected, found)
         except (ValueError, KeyError, TypeError) as e:  # checksummed, but not by `dx.save`
             raise _corrupt(call, f"{name!r} has an unreadable header ({e!r})") from e
+        if differences and version == 1:
+            raise _format_1_mismatch(call, name, differences)
         if differences:
             raise ValueError(
                 f"`{call}`: {name!r} does not match `like`:\n"

@@ -1,38 +1,44 @@
-"""Prioritised replay of windows of per-env streams: one sum-tree leaf per period-aligned
-start."""
+"""Prioritised replay of the whole windows of per-env streams: one sum-tree leaf per
+period-aligned start."""
 
-from typing import NamedTuple, TypeVar
+import warnings
+from typing import Any, NamedTuple, TypeVar
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, Integer, PRNGKeyArray, PyTree, Real
 
+from ._abstract import AbstractTrajectoryBuffer
 from ._checks import (
-    check_bool,
     check_faults,
-    check_float_dtype,
     check_index,
-    check_nonnegative_float,
     check_positive_int,
     check_real_scalar,
-    check_sequences,
     check_vector,
-    INT32_MAX,
+    deprecated_property,
     Prototype,
 )
-from ._prioritised import importance_weights
-from ._sequences import count_starts, Law
-from ._sum_tree import draw_leaves, MAX_CAPACITY, priority_mass, set_leaves, SumTree
-from ._trajectory import (
-    EpisodeEnds,
-    LeafName,
-    SequenceSample,
-    TrajectoryBuffer,
+from ._priorities import check_beta, HasPriorities, Priorities, weights
+from ._sequences import (
+    count_starts,
+    extend_changes,
+    is_stored,
+    is_window,
+    latest_start,
+    leaf_of,
+    leaves_per_env,
+    phase,
+    step_changes,
+    windows_share_leaves,
 )
+from ._streams import Appended, check_append, check_stamps, make_streams, Streams
+from ._sum_tree import MAX_CAPACITY
+from ._trajectory import append_checked, TrajectoryBuffer
+from ._windows import as_whole_window, read_windows, SequenceSample, Window
 
 
 _PT = TypeVar("_PT", bound="PrioritisedTrajectoryBuffer")
+_NAME = "PrioritisedTrajectoryBuffer"
 
 
 class PrioritisedSequenceSample(NamedTuple):
@@ -42,8 +48,8 @@ class PrioritisedSequenceSample(NamedTuple):
 
     - `sample`: the windows, a `SequenceSample` `(items, mask, learn, env, start)`;
         `(sample.env, sample.start)` are the stamps `set_priorities` takes back.
-    - `indices`: int32 `(batch,)`, each window's leaf in the sum tree (`env * slots_per_env +
-        (start // period) % slots_per_env`).
+    - `indices`: int32 `(batch,)`, each window's leaf in the sum tree (`env *
+        leaves_per_env + (start // period) % leaves_per_env`).
     - `probabilities`: `(batch,)`, the probability of drawing each window in one i.i.d. draw.
     - `weights`: `(batch,)`, the importance weights for the `beta` of the call
         (`importance_weights(probabilities, num_windows, beta)`), at most 1.
@@ -55,14 +61,24 @@ class PrioritisedSequenceSample(NamedTuple):
     weights: Float[Array, " batch"]
 
 
-class PrioritisedTrajectoryBuffer(eqx.Module):
-    """Per-env streams whose windows are replayed by priority (R2D2, Ape-X with sequences,
-    MuZero).
+class WindowMasses(NamedTuple):
+    """Per sum-tree leaf, each of shape `(num_envs, leaves_per_env)`: the `start` of the window
+    it holds (or held last, or a negative number if none yet), whether that window is `held`
+    (stored whole), and the leaf's `mass` (`priority ** priority_exponent`; 0 unless held)."""
 
-    A `TrajectoryBuffer` underneath keeps each env's last `max_length` steps, added
-    asynchronously (`env_ids`) or in lock-step. The items are the windows of
-    `W = burn_in + sequence_length + bootstrap` steps that start on a multiple of `period`
-    in their env's absolute step count and lie wholly in the stored stream:
+    start: Int[Array, "num_envs leaves"]
+    held: Bool[Array, "num_envs leaves"]
+    mass: Float[Array, "num_envs leaves"]
+
+
+class PrioritisedTrajectoryBuffer(AbstractTrajectoryBuffer, HasPriorities):
+    """Per-env streams whose whole windows are replayed by priority (R2D2, Ape-X with
+    sequences, MuZero).
+
+    The items are the windows a strict `Window` describes: `W = burn_in + sequence_length +
+    bootstrap` steps that start on a multiple of `period` in their env's absolute step count
+    and lie wholly in the stored stream. Steps are added asynchronously (`env_ids`) or in
+    lock-step, as to any trajectory buffer, and
 
     - a window *becomes admissible* when its last step is added, and then gets the largest
         priority recorded so far (`max_priority`, at least 1);
@@ -70,315 +86,163 @@ class PrioritisedTrajectoryBuffer(eqx.Module):
         on, exactly, whatever subset of envs each add touches;
     - `sample` draws windows with probability `P ∝ p ** priority_exponent` (i.i.d. or
         stratified), returns them with their sum-tree indices, probabilities and importance
-        weights, and `(env, start)` stamps;
+        weights, and `(env, start)` stamps, masked by the window's `episode_ends` policy;
     - `set_priorities(env_ids, starts, priorities)` takes the stamps back and drops the
-        entries whose window has left since it was sampled, so a delayed update never lands
-        on a newer window; `stale` says which.
+        entries whose window is stale (has left since it was sampled), so a delayed update
+        never lands on a newer window; `stale` says which.
 
     The sum tree has one leaf per `(env, start // period mod (max_length // period))`. When
     `period` does not divide `max_length`, the window must be longer than `max_length mod
-    period`, so that two stored windows never share a leaf. Its nodes are always recomputed
-    from their children (no accumulated deltas), and a leaf of priority 0 is never drawn.
+    period`, so that two stored windows never share a leaf.
 
     `PrioritisedTrajectoryBuffer` is final: it is not meant to be subclassed.
     """
 
     trajectories: TrajectoryBuffer
-    tree: SumTree
-    max_priority: Float[Array, ""]
-    sequence_length: int = eqx.field(static=True)
-    burn_in: int = eqx.field(static=True)
-    bootstrap: int = eqx.field(static=True)
-    period: int = eqx.field(static=True)
-    priority_exponent: float = eqx.field(static=True)
-    stratified: bool = eqx.field(static=True)
+    """The streams and their online queue (read `trajectories.sample(..., source="online")`
+    for fresh windows beside the prioritised ones)."""
+    priorities: Priorities
+    """The windows' priorities: a sum tree of their masses and the largest priority recorded
+    (read them through `tree`, `max_priority`, `priority_exponent` and `stratified`)."""
+    window: Window
+    """The windows that are the items (strict), and how `sample` masks them."""
 
     def __init__(
         self,
         prototype: Prototype,
         num_envs: int,
         max_length: int,
-        sequence_length: int,
+        window: Window | int,
         *,
-        burn_in: int = 0,
-        bootstrap: int = 0,
-        period: int = 1,
         priority_exponent: float = 0.6,
         stratified: bool = False,
-        dtype=jnp.float32,
+        dtype: Any = jnp.float32,
+        **options: Any,
     ):
         """**Arguments:**
 
         - `prototype`, `num_envs`, `max_length`: as for `TrajectoryBuffer`.
-        - `sequence_length`, `burn_in`, `bootstrap`: the window, as for
-            `TrajectoryBuffer.sample` (`W` at most `max_length`).
-        - `period`: a positive int, at most `max_length` (default 1). If it does not divide
-            `max_length`, `W` must exceed `max_length mod period`.
+        - `window`: a strict `Window` (`strict=True`), `W` at most `max_length`, `period` at
+            most `max_length`; if `period` does not divide `max_length`, `W` must exceed
+            `max_length mod period`.
         - `priority_exponent`: `α >= 0` (default 0.6).
         - `stratified`: draw one window from each of `batch_size` equal slices of the total
             mass (default `False`: i.i.d. draws).
         - `dtype`: the float dtype of the priority sums (`jnp.float32` by default).
         """
         call = "PrioritisedTrajectoryBuffer"
-        self.trajectories = TrajectoryBuffer(prototype, num_envs, max_length)
-        windows = self.trajectories._windows(
-            call, sequence_length, burn_in, bootstrap, period, True, "cross", None
-        )
-        self.sequence_length, self.burn_in = windows.length, windows.burn_in
-        self.bootstrap, self.period = bootstrap, windows.law.period
-        slots, spare = divmod(max_length, self.period)
-        if slots == 0:
-            raise ValueError(
-                f"`{call}(period=...)` must be at most max_length = {max_length}, got "
-                f"{self.period}."
-            )
-        if self.window <= spare:
-            raise ValueError(
-                f"`{call}(period=...)`: with max_length = {max_length} and period = "
-                f"{self.period}, each env has max_length // period = {slots} window slots, "
-                f"reused as its stream wraps; two stored windows would share one unless a "
-                f"window is longer than max_length mod period = {spare} steps, and it has "
-                f"{self.window}. Make max_length a multiple of period, or the window longer."
-            )
-        capacity = num_envs * (max_length // self.period)
-        if capacity > MAX_CAPACITY:
-            raise ValueError(
-                f"`{call}`: num_envs * (max_length // period) = {capacity} windows, more than the "
-                f"sum tree's {MAX_CAPACITY}."
-            )
-        self.priority_exponent = check_nonnegative_float(
-            priority_exponent, f"{call}(priority_exponent=...)"
-        )
-        self.stratified = check_bool(stratified, f"{call}(stratified=...)")
-        dtype = check_float_dtype(dtype, f"{call}(dtype=...)")
-        self.tree = SumTree(capacity, dtype)
-        self.max_priority = jnp.asarray(1.0, dtype)
+        streams = make_streams(prototype, num_envs, max_length, call)
+        # The buffer around the streams, without allocating its own (a shape-only template).
+        template = eqx.filter_eval_shape(TrajectoryBuffer, streams.item_spec, num_envs, max_length)
+        self.trajectories = template.with_streams(streams)
+        self.window = _whole_windows(window, options, streams, call)
+        capacity = num_envs * leaves_per_env(max_length, self.window.period)
+        self.priorities = Priorities(capacity, priority_exponent, stratified, dtype, call)
 
     @property
-    def item_spec(self) -> PyTree[jax.ShapeDtypeStruct]:
-        """The structure, shape and dtype of one step, as `jax.ShapeDtypeStruct` leaves."""
-        return self.trajectories.item_spec
+    def streams(self) -> Streams:
+        return self.trajectories.streams
 
     @property
-    def window(self) -> int:
-        """`W = burn_in + sequence_length + bootstrap`, the steps of a window."""
-        return self.burn_in + self.sequence_length + self.bootstrap
-
-    @property
-    def slots_per_env(self) -> int:
+    def leaves_per_env(self) -> int:
         """`max_length // period`: the sum-tree leaves of one env."""
-        return self.trajectories.max_length // self.period
+        return leaves_per_env(self.max_length, self.window.period)
+
+    # The old names, for one release.
+    slots_per_env = deprecated_property(
+        _NAME, "slots_per_env", "leaves_per_env", lambda b: b.leaves_per_env
+    )
+    sequence_length = deprecated_property(
+        _NAME, "sequence_length", "window.sequence_length", lambda b: b.window.sequence_length
+    )
+    burn_in = deprecated_property(_NAME, "burn_in", "window.burn_in", lambda b: b.window.burn_in)
+    bootstrap = deprecated_property(
+        _NAME, "bootstrap", "window.bootstrap", lambda b: b.window.bootstrap
+    )
+    period = deprecated_property(_NAME, "period", "window.period", lambda b: b.window.period)
 
     @property
     def num_windows(self) -> Int[Array, ""]:
-        """The number of admissible windows (those of positive or zero priority that may be
-        drawn once their priority is positive), an int32 scalar."""
-        return jnp.sum(self._starts_per_env(), dtype=jnp.int32)
-
-    def _starts_per_env(self) -> Int[Array, " num_envs"]:
-        t = self.trajectories
-        law = Law(self.window, self.period, strict=True)
-        return count_starts(t.replay_length, t._phase(law), law)
-
-    def _leaf(self, env: Int[Array, "*n"], start: Int[Array, "*n"]) -> Int[Array, "*n"]:
-        k = self.slots_per_env
-        return env * k + (start // self.period) % k
+        """The number of admissible windows (stored whole), an int32 scalar."""
+        starts = phase(self.step_count, self.window.period)
+        return jnp.sum(count_starts(self.streams.lengths, starts, self.window.law), dtype=jnp.int32)
 
     def add(
         self: _PT, items: PyTree[ArrayLike], env_ids: Integer[ArrayLike, " n"] | None = None
     ) -> _PT:
-        """Append one step to the stream of each listed env (as `TrajectoryBuffer.add`).
-
-        For each listed env, the window whose first step this add overwrites leaves (priority
-        0), and the window whose last step this add writes becomes admissible (priority
-        `max_priority`), when they start on a multiple of `period`.
-
-        **Raises:** as `TrajectoryBuffer.add`.
-        """
-        trajectories = self.trajectories.add(items, env_ids)
-        # Checked by the add above (a fault raises there); here only kept in bounds.
-        rows, valid = self._rows(env_ids, trajectories.num_envs, "PrioritisedTrajectoryBuffer.add")
-        if rows.shape[0] == 0:
-            return self
-        count = trajectories.step_count[rows]  # after the add: the new step is count - 1
-        m, w, p = trajectories.max_length, self.window, self.period
-        gone = count - 1 - m  # the start whose first step was just overwritten
-        new = count - w  # the start whose last step was just written
-        enter = valid & (new >= 0) & (new % p == 0)
-        leave = valid & (gone >= 0) & (gone % p == 0)
-        enter_leaf = self._leaf(rows, jnp.maximum(new, 0))
-        leave_leaf = self._leaf(rows, jnp.maximum(gone, 0))
-        # One update of the tree for both. The two leaves of a row differ unless W = 1, where
-        # the window that leaves and the one that enters share a slot: then only the entering
-        # one is written. Rows are distinct envs, so every kept leaf is distinct.
-        leave = leave & ~(enter & (leave_leaf == enter_leaf))
-        mass = self._mass(self.max_priority)
-        tree = set_leaves(
-            self.tree,
-            jnp.concatenate([leave_leaf, enter_leaf]),
-            jnp.concatenate(
-                [jnp.zeros(rows.shape, mass.dtype), jnp.broadcast_to(mass, rows.shape)]
-            ),
-            mask=jnp.concatenate([leave, enter]),
-            unique=True,
-        )
-        return eqx.tree_at(lambda b: (b.trajectories, b.tree), self, (trajectories, tree))
+        call = "PrioritisedTrajectoryBuffer.add"
+        return self._appended(check_append(self.streams, items, env_ids, call, sequences=False))
 
     def extend(
         self: _PT, items: PyTree[ArrayLike], env_ids: Integer[ArrayLike, " n"] | None = None
     ) -> _PT:
-        """Append `T` consecutive steps to the stream of each listed env: the same as `T`
-        calls of `add`, in one write and one update of the sum tree (as
-        `TrajectoryBuffer.extend`).
-
-        Every window that leaves during the `T` steps gets priority 0, and every window that
-        becomes admissible and is still stored at the end gets `max_priority`; the other
-        windows keep theirs.
-
-        **Raises:** as `TrajectoryBuffer.extend`.
-        """
         call = "PrioritisedTrajectoryBuffer.extend"
-        items, n, length = check_sequences(self.item_spec, items, call)
-        if length == 1:  # the cheaper update of one step
-            return self.add(jax.tree.map(lambda x: x[:, 0], items), env_ids)
-        if length == 0:
-            return self
-        trajectories = self.trajectories._append(items, n, length, env_ids, call)
-        rows, valid = self._rows(env_ids, trajectories.num_envs, call)
-        if rows.shape[0] == 0:
-            return self
-        t = trajectories
-        count = t.step_count[rows]  # after the add
-        before = count - length
-        first = count - t.replay_length[rows]  # the oldest stored step
-        m, w, p = t.max_length, self.window, self.period
-        # A slot can change only if a window of it enters (its last step is among the new
-        # ones) or leaves (its first step is overwritten): at most ceil(T / p) starts each.
-        # The value of such a slot after the add is a function of the slot alone, so the
-        # candidates may repeat a slot: every copy writes the same.
-        per = -(-length // p)
-        k = (jnp.arange(per, dtype=jnp.int32) * p)[None, :]
-        enter = _ceil_to(before - w + 1, p)[:, None] + k  # last step in (before, count]
-        leave = _ceil_to(before - m, p)[:, None] + k  # first step in [before - m, count - m)
-        starts = jnp.concatenate([enter, leave], axis=1)
-        touched = valid[:, None] & jnp.concatenate(
-            [enter <= (count - w)[:, None], leave < (count - m)[:, None]], axis=1
-        )
-        touched = touched & (starts >= 0)
-        slot = (jnp.maximum(starts, 0) // p) % self.slots_per_env
-        # The slot's admissible start after the add, if it is still stored (a negative
-        # `latest`, no start yet, is below `first >= 0`).
-        latest = self._latest_start(count[:, None], slot)
-        stored = latest >= first[:, None]
-        entered = latest > (before - w)[:, None]
-        write = touched & (~stored | entered)
-        mass = jnp.where(stored, self._mass(self.max_priority), 0)
-        tree = set_leaves(
-            self.tree,
-            (rows[:, None] * self.slots_per_env + slot).reshape(-1),
-            mass.reshape(-1),
-            mask=write.reshape(-1),
-        )
-        return eqx.tree_at(lambda b: (b.trajectories, b.tree), self, (trajectories, tree))
+        return self._appended(check_append(self.streams, items, env_ids, call, sequences=True))
 
-    def _latest_start(self, count: Int[Array, "*#s"], slot: Int[Array, "*#s"]) -> Int[Array, "..."]:
-        """The latest start `s = j * period <= count - W` with `j ≡ slot (mod slots_per_env)`:
-        the window a slot holds once an env has taken `count` steps, if any is stored."""
-        k = self.slots_per_env
-        j_max = (count - self.window) // self.period
-        return (j_max - (j_max - slot) % k) * self.period
+    def _appended(self: _PT, done: Appended) -> _PT:
+        """The buffer after a checked append: the windows that entered get `max_priority`,
+        those that left 0, in one update of the tree."""
+        if done.length == 0:
+            return self
+        leaves, write, entered = _changes(done, self.window, self.leaves_per_env)
+        masses = jnp.where(entered, self.priorities.new_mass(), 0)
+        # One check for the call, on the new counters and the vectors the tree is written from.
+        trajectories, (leaves, masses) = append_checked(self.trajectories, done, (leaves, masses))
+        priorities = self.priorities.write(leaves, masses, mask=write, unique=done.length == 1)
+        return eqx.tree_at(
+            lambda b: (b.trajectories, b.priorities), self, (trajectories, priorities)
+        )
 
-    def _rows(
-        self, env_ids: Integer[ArrayLike, " n"] | None, num_envs: int, call: str
-    ) -> tuple[Int[Array, " n"], Bool[Array, " n"]]:
-        """The rows an add touched, and which are valid (checked by the add itself)."""
-        if env_ids is None:
-            return jnp.arange(num_envs, dtype=jnp.int32), jnp.ones(num_envs, jnp.bool_)
-        rows, bad = check_index(env_ids, num_envs, f"{call}(env_ids=...)")
-        return jnp.where(bad, 0, rows), ~bad
+    def with_streams(self: _PT, streams: Streams) -> _PT:
+        streams = self._check_streams(streams, "PrioritisedTrajectoryBuffer.with_streams")
+        fresh = self.priorities.fresh()
+        trajectories = self.trajectories.with_streams(streams)
+        new = eqx.tree_at(lambda b: (b.trajectories, b.priorities), self, (trajectories, fresh))
+        held = new.window_masses().held.reshape(-1)
+        masses = jnp.where(held, fresh.new_mass(), 0)
+        leaves = jnp.arange(held.shape[0], dtype=jnp.int32)
+        written = fresh.write(leaves, masses, unique=True)
+        return eqx.tree_at(lambda b: b.priorities, new, written)
 
     def sample(
-        self,
-        key: PRNGKeyArray,
-        batch_size: int,
-        *,
-        beta: Real[ArrayLike, ""] = 1.0,
-        episode_ends: EpisodeEnds = "cross",
-        done: LeafName | tuple[LeafName, ...] | None = None,
+        self, key: PRNGKeyArray, batch_size: int, *, beta: Real[ArrayLike, ""] = 1.0, **options: Any
     ) -> PrioritisedSequenceSample:
         """Draw `batch_size` windows with probabilities `P ∝ p ** priority_exponent`, with
-        replacement.
+        replacement, masked by the window's `episode_ends` policy.
 
         **Arguments:**
 
         - `key`: a JAX PRNG key.
         - `batch_size`: a positive Python int (static).
         - `beta`: the importance-weight exponent `β >= 0` (default 1; may be traced).
-        - `episode_ends`, `done`: how windows are cut at episode ends, as for
-            `TrajectoryBuffer.sample` (they change masks, not which windows are drawn).
 
         **Returns:** a `PrioritisedSequenceSample` `(sample, indices, probabilities, weights)`.
 
         **Raises:** `ValueError`/`TypeError` at once for bad static arguments; an
         `eqx.error_if` error if no window is admissible yet, if every admissible window has
-        priority 0, or if the total mass is not finite.
+        priority 0, if the total mass is not finite, or if `beta` is negative or not finite.
         """
         call = "PrioritisedTrajectoryBuffer.sample"
         batch_size = check_positive_int(batch_size, f"{call}(batch_size=...)")
-        t = self.trajectories
-        windows = t._windows(
-            call,
-            self.sequence_length,
-            self.burn_in,
-            self.bootstrap,
-            self.period,
-            True,
-            episode_ends,
-            done,
-        )
-        beta = check_real_scalar(beta, call, "beta")
-        tree = self.tree
-        total = tree.total
-        leaves, probabilities = draw_leaves(tree, key, batch_size, self.stratified)
-        k = self.slots_per_env
-        env, slot = leaves // k, leaves % k
-        # Only leaves of positive priority are drawn, so the slot's latest start is stored.
-        count = t.step_count[env]
-        start = self._latest_start(count, slot)
-        back = jnp.clip(count - start, 0, t.max_length)
-        sample = t._gather(env, back, jnp.full_like(back, self.window), windows)
-        num = jnp.maximum(self.num_windows, 1)
+        window = self.window if not options else _masking(self, options, call)
+        beta, beta_fault = check_beta(beta, call)
+        leaves, probabilities = self.priorities.draw(key, batch_size)
+        env, start = stamps_of(self, leaves)
+        # Only leaves of positive priority are drawn, so their windows are stored.
+        back = jnp.clip(self.step_count[env] - start, 0, self.max_length)
+        sample = read_windows(self.streams, env, back, window)
+        number = self.num_windows
         # Probabilities are 0 only on an all-zero tree, which the checks below report.
-        weights = importance_weights(jnp.where(total > 0, probabilities, 1), num, beta)
-        out = PrioritisedSequenceSample(sample, leaves, probabilities, weights)
-        return check_faults(
-            out,
-            [
-                (
-                    self.num_windows == 0,
-                    f"`{call}`: no window is admissible yet: no env holds {self.window} "
-                    f"steps from a start on a multiple of period = {self.period}",
-                ),
-                (
-                    (self.num_windows > 0) & (total <= 0),
-                    f"`{call}`: every admissible window has priority 0",
-                ),
-                (~jnp.isfinite(total), f"`{call}`: the total priority mass is not finite"),
-            ],
-            order_reads=False,
+        total = self.priorities.tree.total
+        w = weights(jnp.where(total > 0, probabilities, 1), jnp.maximum(number, 1), beta)
+        out = PrioritisedSequenceSample(sample, leaves, probabilities, w)
+        none = (
+            number == 0,
+            f"`{call}`: no window is admissible yet: no env holds {window.size} steps from a "
+            f"start on a multiple of period = {window.period}",
         )
-
-    def stale(
-        self, env_ids: Integer[ArrayLike, " n"], starts: Integer[ArrayLike, " n"]
-    ) -> Bool[Array, " n"]:
-        """Which stamps name windows that have left (their first step overwritten) since
-        they were sampled: the entries `set_priorities` drops.
-
-        **Raises:** an `eqx.error_if` error for a stamp this buffer cannot have given (an env
-        id out of range, a start not yet reached, or not on a multiple of `period`).
-        """
-        rows, steps, fault = self._stamps(env_ids, starts, "PrioritisedTrajectoryBuffer.stale")
-        return check_faults(self._gone(rows, steps), [fault])
+        faults = [none, *self.priorities.sample_faults(call, "window"), beta_fault]
+        return check_faults(out, faults, order_reads=False)
 
     def set_priorities(
         self: _PT,
@@ -389,63 +253,170 @@ class PrioritisedTrajectoryBuffer(eqx.Module):
         """Set the priorities of the windows named by the stamps `(env_ids, starts)`, as
         `sample` returned them (`sample.env`, `sample.start`).
 
-        An entry whose window has left since it was sampled is dropped: its leaf now belongs
-        to a newer window (or to none). `stale` tells which. Of repeated stamps the last
-        wins.
+        An entry whose window is stale (has left since it was sampled) is dropped: its leaf
+        now belongs to a newer window (or to none). `stale` tells which. Of repeated stamps
+        the last wins.
 
-        **Raises:** an `eqx.error_if` error for a bad stamp (as `stale`), or a priority that
-        is negative, infinite or NaN (stale entries are checked too).
+        **Raises:** an `eqx.error_if` error for a stamp this buffer cannot have given (an env
+        id out of range, a start not on a multiple of `period` or whose window has not been
+        stored), or a priority that is negative, infinite or NaN (stale entries are checked
+        too).
         """
         call = "PrioritisedTrajectoryBuffer.set_priorities"
-        rows, steps, fault = self._stamps(env_ids, starts, call)
-        priorities = check_vector(priorities, rows.shape[0], call, "priorities").astype(
-            self.max_priority.dtype
+        stamps = check_stamps(self.streams, env_ids, starts, call, ndim=1)
+        n = stamps.env.shape[0]
+        priorities = check_vector(priorities, n, call, "priorities")
+        size, period, k = self.window.size, self.window.period, self.leaves_per_env
+        misfit = (
+            ~stamps.bad & ~is_window(stamps.start, stamps.taken, size, period),
+            f"`{call}`: a stamp this buffer cannot have given: its start is not on a multiple "
+            f"of period = {period}, or its window of {size} steps has not been stored yet",
         )
-        keep = ~self._gone(rows, steps) & ~fault[0]
-        max_priority = jnp.maximum(self.max_priority, jnp.max(priorities, initial=0))
-        mass = self._mass(priorities)
-        leaves, mass, max_priority = check_faults(
-            (self._leaf(rows, steps), mass, max_priority),
-            [
-                fault,
-                (
-                    ~(jnp.isfinite(priorities) & (priorities >= 0)),
-                    f"`{call}`: priorities must be finite and non-negative",
-                ),
-            ],
-        )
-        tree = set_leaves(self.tree, leaves, mass, mask=keep)
-        return eqx.tree_at(lambda b: (b.tree, b.max_priority), self, (tree, max_priority))
+        masses, top, faults = self.priorities.prepare(priorities, n, call)
+        leaves = leaf_of(stamps.env, stamps.start, period, k)
+        leaves, masses, top = check_faults((leaves, masses, top), [*stamps.faults, misfit, *faults])
+        keep = ~stamps.stale & ~stamps.bad
+        new = self.priorities.write(leaves, masses, top, mask=keep)
+        return eqx.tree_at(lambda b: b.priorities, self, new)
 
-    def _stamps(self, env_ids, starts, call):
-        t = self.trajectories
-        rows, bad_env = check_index(env_ids, t.num_envs, f"{call}(env_ids=...)", ndim=1)
-        steps, bad_step = check_index(
-            starts, INT32_MAX, f"{call}(starts=...)", ndim=1, length=(rows.shape[0], "env id")
-        )
-        rows = jnp.where(bad_env, 0, rows)
-        steps = jnp.where(bad_step, 0, steps)
-        count = t.step_count[rows]
-        bad = bad_env | bad_step | (steps + self.window > count) | (steps % self.period != 0)
-        return (
-            rows,
-            steps,
+    def stamp_of(
+        self, indices: Integer[ArrayLike, "*n"]
+    ) -> tuple[Int[Array, "*n"], Int[Array, "*n"]]:
+        """The stamps `(env, start)` of the windows that sum-tree leaves `indices` hold now (as
+        `sample` returns them in `indices`). A leaf that holds no window gives the start of
+        the last window it held (stale) or, if it has held none yet, a negative start.
+
+        **Raises:** an `eqx.error_if` error for an index outside `[0, num_envs *
+        leaves_per_env)`.
+        """
+        call = "PrioritisedTrajectoryBuffer.stamp_of"
+        capacity = self.priorities.tree.capacity
+        leaves, bad = check_index(indices, capacity, f"{call}(indices=...)")
+        stamp = stamps_of(self, jnp.where(bad, 0, leaves))
+        message = f"`{call}`: an index is not a sum-tree leaf, 0 <= index < {capacity}"
+        return check_faults(stamp, [(bad, message)])
+
+    def window_masses(self) -> WindowMasses:
+        """Every leaf's window and mass, as a `WindowMasses` of `(num_envs, leaves_per_env)`
+        arrays: what a `Dataset` stores of the priorities."""
+        k = self.leaves_per_env
+        leaves = jnp.arange(self.num_envs * k, dtype=jnp.int32).reshape(self.num_envs, k)
+        env, start = stamps_of(self, leaves)
+        count, length = self.step_count[env], self.streams.lengths[env]
+        held = is_stored(start, count, length, self.window.size)
+        return WindowMasses(start, held, self.priorities.tree.leaves.reshape(self.num_envs, k))
+
+    def with_window_masses(
+        self: _PT,
+        masses: Real[ArrayLike, "num_envs leaves"],
+        *,
+        max_priority: Real[ArrayLike, ""] | None = None,
+    ) -> _PT:
+        """The buffer with the mass of every window it holds set (`masses[e, j]` for leaf `j`
+        of env `e`, as `window_masses`; the masses of leaves that hold no window are
+        ignored), and `max_priority` if given.
+
+        **Raises:** `ValueError`/`TypeError` at once for a bad shape or dtype; an
+        `eqx.error_if` error for a held window's mass that is negative or not finite, or a
+        `max_priority` below 1 or not finite.
+        """
+        call = "PrioritisedTrajectoryBuffer.with_window_masses"
+        k, capacity = self.leaves_per_env, self.priorities.tree.capacity
+        if tuple(jnp.shape(masses)) != (self.num_envs, k):
+            raise ValueError(
+                f"`{call}`: `masses` has shape {tuple(jnp.shape(masses))}, expected (num_envs, "
+                f"leaves_per_env) = ({self.num_envs}, {k})."
+            )
+        flat = check_vector(jnp.reshape(jnp.asarray(masses), -1), capacity, call, "masses")
+        held = self.window_masses().held.reshape(-1)
+        dtype = self.priorities.max_priority.dtype
+        flat = jnp.where(held, flat.astype(dtype), 0)
+        top = self.priorities.max_priority
+        if max_priority is not None:
+            top = check_real_scalar(max_priority, call, "max_priority").astype(dtype)
+        faults = [
             (
-                bad,
-                f"`{call}`: a stamp this buffer cannot have given: an env id out of range, or "
-                "a start that is negative, not on a multiple of period, or whose window is not "
-                "yet stored",
+                ~(jnp.isfinite(flat) & (flat >= 0)),
+                f"`{call}`: masses must be finite and non-negative",
             ),
+            (
+                ~(jnp.isfinite(top) & (top >= 1)),
+                f"`{call}`: `max_priority` must be finite and at least 1",
+            ),
+        ]
+        flat, top = check_faults((flat, top), faults)
+        leaves = jnp.arange(capacity, dtype=jnp.int32)
+        new = self.priorities.write(leaves, flat, top, unique=True)
+        return eqx.tree_at(lambda b: b.priorities, self, new)
+
+
+def stamps_of(
+    buffer: PrioritisedTrajectoryBuffer, leaves: Int[Array, "*n"]
+) -> tuple[Int[Array, "*n"], Int[Array, "*n"]]:
+    """`PrioritisedTrajectoryBuffer.stamp_of` without its check: `leaves` in range."""
+    k, w = buffer.leaves_per_env, buffer.window
+    env = leaves // k
+    return env, latest_start(buffer.step_count[env], leaves % k, w.size, w.period, k)
+
+
+def _whole_windows(window: Any, options: dict[str, Any], streams: Streams, call: str) -> Window:
+    """The constructor's `window`: strict, fitting the streams, and never two stored windows
+    in one leaf."""
+    window = as_whole_window(
+        window, options, call, "the items of a prioritised buffer are whole windows"
+    )
+    m = streams.max_length
+    window.check(streams.item_spec, m, call)
+    per_env = leaves_per_env(m, window.period)
+    if per_env == 0:
+        raise ValueError(
+            f"`{call}`: `Window(period=...)` must be at most max_length = {m}, got {window.period}."
         )
+    if windows_share_leaves(m, window.size, window.period):
+        raise ValueError(
+            f"`{call}`: with max_length = {m} and period = {window.period}, each env has "
+            f"max_length // period = {per_env} window slots, reused as its stream wraps; two "
+            "stored windows would share one unless a window is longer than max_length mod "
+            f"period = {m - per_env * window.period} steps, and it has {window.size}. Make "
+            "max_length a multiple of period, or the window longer."
+        )
+    if streams.num_envs * per_env > MAX_CAPACITY:
+        raise ValueError(
+            f"`{call}`: num_envs * (max_length // period) = {streams.num_envs * per_env} "
+            f"windows, more than the sum tree's {MAX_CAPACITY}."
+        )
+    return window
 
-    def _gone(self, rows: Int[Array, " n"], steps: Int[Array, " n"]) -> Bool[Array, " n"]:
-        t = self.trajectories
-        return steps < t.step_count[rows] - t.replay_length[rows]
 
-    def _mass(self, priorities: Float[Array, "*s"]) -> Float[Array, "*s"]:
-        return priority_mass(priorities, self.priority_exponent)
+def _changes(
+    done: Appended, window: Window, per_env: int
+) -> tuple[Int[Array, " c"], Bool[Array, " c"], Bool[Array, " c"]]:
+    """The leaves a checked append changes: `(leaves, write, entered)`, where a written leaf
+    gets the largest priority's mass if `entered`, else 0 (its window left)."""
+    size, period, m = window.size, window.period, done.streams.max_length
+    rows = jnp.where(done.valid, done.rows, 0)
+    count = done.streams.step_count[rows]
+    if done.length == 1:  # the cheaper update of one step: distinct leaves
+        enter_leaf, enter, leave_leaf, leave = step_changes(count, size, period, m, per_env)
+        leaves = jnp.concatenate([rows * per_env + leave_leaf, rows * per_env + enter_leaf])
+        write = jnp.concatenate([done.valid & leave, done.valid & enter])
+        return leaves, write, jnp.concatenate([jnp.zeros_like(enter), jnp.ones_like(enter)])
+    oldest = count - done.streams.lengths[rows]
+    leaf, write, stored = extend_changes(count, done.length, oldest, size, period, m, per_env)
+    leaves = (rows[:, None] * per_env + leaf).reshape(-1)
+    return leaves, (done.valid[:, None] & write).reshape(-1), stored.reshape(-1)
 
 
-def _ceil_to(x: Int[Array, "*s"], p: int) -> Int[Array, "*s"]:
-    """The least multiple of `p` at least `x` (floor division rounds towards -inf)."""
-    return -((-x) // p) * p
+def _masking(buffer: PrioritisedTrajectoryBuffer, options: dict[str, Any], call: str) -> Window:
+    """The deprecated `sample(episode_ends=..., done=...)`: the buffer's window, masked so."""
+    w = buffer.window
+    warnings.warn(
+        f"`{call}`: `episode_ends` and `done` are deprecated here; give them to the buffer's "
+        "`Window` (removed in the next release).",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    parts = dict(burn_in=w.burn_in, bootstrap=w.bootstrap, period=w.period, strict=True)
+    window = Window(w.sequence_length, **parts, **options)
+    window.check(buffer.item_spec, buffer.max_length, call)
+    return window

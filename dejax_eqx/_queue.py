@@ -3,19 +3,18 @@
 from typing import TypeVar
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Int, Integer, PyTree, Shaped
 
+from ._abstract import AbstractTrajectoryBuffer
 from ._checks import check_faults, check_positive_int, plural, Prototype
-from ._storage import ring_add, ring_sub
-from ._trajectory import TrajectoryBuffer
+from ._streams import Appended, check_append, gather_steps, grow, make_streams, Streams
 
 
 _Q = TypeVar("_Q", bound="TrajectoryQueue")
 
 
-class TrajectoryQueue(eqx.Module):
+class TrajectoryQueue(AbstractTrajectoryBuffer):
     """A consume-once queue of per-env streams: `pop` returns the oldest unread steps of every
     env and removes them, so each step is read exactly once, in order.
 
@@ -24,9 +23,6 @@ class TrajectoryQueue(eqx.Module):
     Each of `num_envs` envs keeps a stream of at most `max_length` unread steps. Adding to an
     env whose unread steps would not fit is an error, never a silent overwrite: pop first
     (`can_add` tells when an add fits).
-
-    Built on a `TrajectoryBuffer`, `trajectories`: the unread steps of an env are its online
-    window, and `pop` shortens that window from its oldest end.
 
     `TrajectoryQueue` is final: it is not meant to be subclassed.
 
@@ -45,7 +41,9 @@ class TrajectoryQueue(eqx.Module):
         ```
     """
 
-    trajectories: TrajectoryBuffer
+    streams: Streams
+    unread: Int[Array, " num_envs"]
+    """The number of unread steps of each env, an int32 array in `[0, max_length]`."""
 
     def __init__(self, prototype: Prototype, num_envs: int, max_length: int):
         """**Arguments:**
@@ -56,27 +54,8 @@ class TrajectoryQueue(eqx.Module):
         - `max_length`: the most unread steps each env holds, a positive Python int below
             `2**31`. Storage is `num_envs · max_length` steps.
         """
-        self.trajectories = TrajectoryBuffer(prototype, num_envs, max_length)
-
-    @property
-    def num_envs(self) -> int:
-        """The number of envs (a static Python int)."""
-        return self.trajectories.num_envs
-
-    @property
-    def max_length(self) -> int:
-        """The most unread steps each env holds (a static Python int)."""
-        return self.trajectories.max_length
-
-    @property
-    def item_spec(self) -> PyTree[jax.ShapeDtypeStruct]:
-        """The structure, shape and dtype of one step, as `jax.ShapeDtypeStruct` leaves."""
-        return self.trajectories.item_spec
-
-    @property
-    def unread(self) -> Int[Array, " num_envs"]:
-        """The number of unread steps of each env, an int32 array in `[0, max_length]`."""
-        return self.trajectories.online_length
+        self.streams = make_streams(prototype, num_envs, max_length, "TrajectoryQueue")
+        self.unread = jnp.zeros(self.streams.num_envs, jnp.int32)
 
     def can_add(self, length: int = 1) -> Bool[Array, ""]:
         """Whether `length` more steps fit in every env's queue without overwriting unread
@@ -93,29 +72,22 @@ class TrajectoryQueue(eqx.Module):
     def add(
         self: _Q, items: PyTree[ArrayLike], env_ids: Integer[ArrayLike, " n"] | None = None
     ) -> _Q:
-        """Append one step to the queue of each listed env (as `TrajectoryBuffer.add`).
-
-        **Raises:** as `TrajectoryBuffer.add`, and an `eqx.error_if` error if a listed env
-        already holds `max_length` unread steps.
-        """
-        call = "TrajectoryQueue.add"
-        return self._with(self.trajectories._add(items, env_ids, call, keep_unread=True))
+        """As `AbstractTrajectoryBuffer.add`; also an `eqx.error_if` error if a listed env
+        already holds `max_length` unread steps."""
+        return extend_queue(self, items, env_ids, "TrajectoryQueue.add", sequences=False)
 
     def extend(
         self: _Q, items: PyTree[ArrayLike], env_ids: Integer[ArrayLike, " n"] | None = None
     ) -> _Q:
-        """Append `T` consecutive steps to the queue of each listed env (as
-        `TrajectoryBuffer.extend`; leaves `[n, T, ...]`, oldest step first).
+        """As `AbstractTrajectoryBuffer.extend`; also `ValueError` at once if `T >
+        max_length`, and an `eqx.error_if` error if a listed env holds more than `max_length
+        - T` unread steps (the add would overwrite some)."""
+        return extend_queue(self, items, env_ids, "TrajectoryQueue.extend", sequences=True)
 
-        **Raises:** `ValueError` at once if `T > max_length`; as `TrajectoryBuffer.extend`;
-        and an `eqx.error_if` error if a listed env holds more than `max_length - T` unread
-        steps (the add would overwrite some).
-        """
-        call = "TrajectoryQueue.extend"
-        return self._with(self.trajectories._extend(items, env_ids, call, keep_unread=True))
-
-    def _with(self: _Q, trajectories: TrajectoryBuffer) -> _Q:
-        return eqx.tree_at(lambda q: q.trajectories, self, trajectories)
+    def with_streams(self: _Q, streams: Streams) -> _Q:
+        streams = self._check_streams(streams, "TrajectoryQueue.with_streams")
+        unread = jnp.zeros(streams.num_envs, jnp.int32)
+        return eqx.tree_at(lambda q: (q.streams, q.unread), self, (streams, unread))
 
     def pop(self: _Q, sequence_length: int) -> tuple[PyTree[Shaped[Array, "num_envs seq ..."]], _Q]:
         """Remove and return the `sequence_length` oldest unread steps of every env.
@@ -130,27 +102,54 @@ class TrajectoryQueue(eqx.Module):
         **Raises:** `ValueError` at once for a bad `sequence_length`; an `eqx.error_if` error
         if an env holds fewer than `sequence_length` unread steps.
         """
-        return self._pop(sequence_length, "TrajectoryQueue.pop")
+        return pop_queue(self, sequence_length, "TrajectoryQueue.pop")
 
-    def _pop(
-        self: _Q, sequence_length: int, call: str
-    ) -> tuple[PyTree[Shaped[Array, "num_envs seq ..."]], _Q]:
-        """`pop` under the name `call` (the flashbax drop-in's `trajectory_queue.sample`)."""
-        length = check_positive_int(
-            sequence_length, f"{call}(sequence_length=...)", maximum=self.max_length
+
+def extend_queue(
+    queue: _Q,
+    items: PyTree[ArrayLike],
+    env_ids: Integer[ArrayLike, " n"] | None,
+    call: str,
+    *,
+    sequences: bool,
+) -> _Q:
+    """`TrajectoryQueue.add` (or `extend`, with `sequences`) under the name `call`: an append
+    that may not push an unread step out of a listed env's queue."""
+    done: Appended = check_append(queue.streams, items, env_ids, call, sequences=sequences)
+    m, length = queue.max_length, done.length
+    if length > m:
+        raise ValueError(
+            f"`{call}`: {length} steps per env do not fit in a queue of max_length = {m}; the "
+            "oldest would be overwritten before they are read."
         )
-        t = self.trajectories
-        m = self.max_length
-        # The oldest unread step is `unread` steps behind the cursor (unread <= m).
-        first = ring_sub(t.head, self.unread, m)
-        slots = ring_add(first[:, None], jnp.arange(length, dtype=jnp.int32)[None, :], m)
-        rows = jnp.arange(self.num_envs, dtype=jnp.int32)[:, None]
-        items = jax.tree.map(lambda x: x.at[rows, slots].get(mode="promise_in_bounds"), t.data)
-        online = jnp.maximum(self.unread - length, 0)
-        fault = (
-            jnp.any(self.unread < length),
-            f"`{call}`: an env holds fewer than {plural(length, 'unread step')}; pop once "
-            "`can_pop(sequence_length)` holds",
-        )
-        items, online = check_faults((items, online), [fault], order_reads=False)
-        return items, eqx.tree_at(lambda q: q.trajectories.online_length, self, online)
+    if length == 0:
+        return queue
+    full = (
+        jnp.any(done.added & (queue.unread > m - length)),
+        f"`{call}`: an env's queue has no room for {plural(length, 'more step')}; the add "
+        f"would overwrite unread ones (max_length = {m}). Pop first, or check `can_add`",
+    )
+    unread = grow(queue.unread, done.added, length, m)
+    counters, unread = check_faults((done.counters(), unread), [*done.faults, full])
+    streams = done.guarded(counters)
+    return eqx.tree_at(lambda q: (q.streams, q.unread), queue, (streams, unread))
+
+
+def pop_queue(
+    queue: _Q, sequence_length: int, call: str
+) -> tuple[PyTree[Shaped[Array, "num_envs seq ..."]], _Q]:
+    """`TrajectoryQueue.pop` under the name `call`."""
+    length = check_positive_int(
+        sequence_length, f"{call}(sequence_length=...)", maximum=queue.max_length
+    )
+    every = jnp.arange(queue.num_envs, dtype=jnp.int32)
+    # The oldest unread step is the `unread`-th newest.
+    items = gather_steps(queue.streams, every, queue.unread, length)
+    unread = jnp.maximum(queue.unread - length, 0)
+    fault = (
+        jnp.any(queue.unread < length),
+        f"`{call}`: an env holds fewer than {plural(length, 'unread step')}; pop once "
+        "`can_pop(sequence_length)` holds",
+    )
+    items, unread = check_faults((items, unread), [fault], order_reads=False)
+    return items, eqx.tree_at(lambda q: q.unread, queue, unread)

@@ -1,4 +1,5 @@
-"""Drawing window starts from per-env streams: pure functions of the window lengths.
+"""The window law: which windows of per-env streams exist, and how they are drawn. Pure
+functions of step counts and lengths; the one home of period arithmetic.
 
 Env `e` stores a window of `lengths[e]` steps, ending at its newest step. A start is named by
 its env and its *back distance* `b` in `1 .. lengths[e]`: the start is the `b`-th newest step,
@@ -11,11 +12,18 @@ functions know nothing of storage: the caller turns `(env, b)` into slots (for
 """
 
 import math
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Float32, Int, PRNGKeyArray, UInt32
+
+
+# Step numbers and counts: JAX int32 arrays on the device, NumPy int64 arrays on the host
+# (`Dataset`). The functions written for both use only `//`, `%` and comparisons, which
+# round and compare alike in NumPy and JAX.
+_I = TypeVar("_I", Array, np.ndarray)
 
 
 WORDS_PER_ROW = 4
@@ -279,3 +287,143 @@ def draw_starts(
     """
     bits = jax.random.bits(key, (WORDS_PER_ROW, batch_size), jnp.uint32)
     return starts_from_bits(bits, lengths, phase, law, power)
+
+
+def phase(count: _I, period: int) -> _I:
+    """The back distances of the starts on a multiple of `period` are `b ≡ phase (mod period)`
+    for a stream that has taken `count` steps. (Starts counted from another origin, `o` steps
+    before the newest's successor, have `phase(o, period)`.)"""
+    return count % period
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole windows as items (`PrioritisedTrajectoryBuffer`, `Dataset`).
+#
+# Window `j` of an env starts at step `j * P` and holds its `W` steps `j * P .. j * P + W - 1`.
+# It is *stored* while all its steps are: once its last step is added (`j * P <= count - W`)
+# and until its first one is overwritten (`j * P >= count - length`). A prioritised buffer
+# keeps `K = max_length // P` sum-tree leaves per env, and window `j` sits in leaf `j mod K` of
+# its env. Two stored windows are at most `max_length - W` steps apart, so they never share a
+# leaf as long as `K * P >= max_length - W + 1` (always when P divides max_length, else when
+# `W > max_length mod P`). The functions below work in window numbers `j` rather than start
+# steps, so that nothing near 2**31 steps overflows int32.
+
+
+def leaves_per_env(max_length: int, period: int) -> int:
+    """`K = max_length // period`: the sum-tree leaves of an env, one per window slot."""
+    return max_length // period
+
+
+def windows_share_leaves(max_length: int, size: int, period: int) -> bool:
+    """Whether two stored windows of `size` steps could share a leaf: `K * P < max_length -
+    size + 1`, that is `size <= max_length mod period`."""
+    return size <= max_length % period
+
+
+def leaf_of(env: _I, start: _I, period: int, per_env: int) -> _I:
+    """The sum-tree leaf of window `(env, start)` (`start` a multiple of `period`)."""
+    return env * per_env + (start // period) % per_env
+
+
+def latest_start(count: Array, leaf: Array, size: int, period: int, per_env: int) -> Array:
+    """The start of the window that leaf `leaf` of an env (in `[0, per_env)`) holds once the env
+    has taken `count` steps: the latest `j * period <= count - size` with `j ≡ leaf (mod
+    per_env)`. Negative if no such window has been stored yet; stored while it is at least
+    `count - length`."""
+    last = (count - size) // period
+    return (last - (last - leaf) % per_env) * period
+
+
+def is_stored(start: _I, count: _I, length: _I, size: int) -> _I:
+    """Whether the window of `size` steps from `start` is stored whole in a stream that has
+    taken `count` steps and holds the last `length` of them."""
+    return (start >= count - length) & (start <= count - size)
+
+
+def is_window(start: Array, count: Array, size: int, period: int) -> Array:
+    """Whether a window of `size` steps on a multiple of `period` starts at `start` and has
+    been stored whole (its last step taken) once its env has taken `count` steps."""
+    return (start % period == 0) & (start <= count - size)
+
+
+def step_changes(
+    count: Int[Array, " n"], size: int, period: int, max_length: int, per_env: int
+) -> tuple[Int[Array, " n"], Bool[Array, " n"], Int[Array, " n"], Bool[Array, " n"]]:
+    """The windows that enter and leave when an env takes its `count`-th step (`count >= 1`,
+    after the add): `(enter_leaf, enter, leave_leaf, leave)`, leaves in `[0, per_env)`.
+
+    The window whose last step was just written (start `count - size`) enters; the one whose
+    first step was just overwritten (start `count - 1 - max_length`) leaves; each only if it
+    starts on a multiple of `period`. The two share a leaf only when `K * P = max_length - W
+    + 1`; then only the entering one is flagged, which is right: the leaf is now its.
+    """
+    new = count - size
+    gone = count - 1 - max_length
+    enter = (new >= 0) & (new % period == 0)
+    leave = (gone >= 0) & (gone % period == 0)
+    enter_leaf = (jnp.maximum(new, 0) // period) % per_env
+    leave_leaf = (jnp.maximum(gone, 0) // period) % per_env
+    return enter_leaf, enter, leave_leaf, leave & ~(enter & (leave_leaf == enter_leaf))
+
+
+def extend_changes(
+    count: Int[Array, " n"],
+    length: int,
+    oldest: Int[Array, " n"],
+    size: int,
+    period: int,
+    max_length: int,
+    per_env: int,
+) -> tuple[Int[Array, "n c"], Bool[Array, "n c"], Bool[Array, "n c"]]:
+    """The leaves that `length` new steps may have changed, for envs that have now taken
+    `count` steps and store them from step `oldest`: `(leaf, write, stored)`, each of shape
+    `(n, 2 * ceil(length / period))`.
+
+    Several windows may enter and leave (with `length` near `max_length`, one may do both
+    within the call). The candidates are the windows whose last step is new and those whose
+    first step was overwritten, `ceil(length / period)` of each. A leaf's value after the add
+    depends on the leaf alone: it holds its latest window if that is stored (`stored`; new
+    windows get the largest priority, older ones keep theirs), else nothing. So `write` flags
+    the candidates whose leaf lost its window or gained a new one; candidates that repeat a
+    leaf agree on its value, and may be written in any order.
+    """
+    before = count - length
+    per = -(-length // period)
+    k = jnp.arange(per, dtype=count.dtype)[None, :]
+    last = ((count - size) // period)[:, None]  # the newest window stored whole
+    # Windows whose last step is new: starts in (before - size, count - size].
+    enter = ((before - size) // period + 1)[:, None] + k
+    # Windows whose first step was overwritten: starts in [before - m, count - m).
+    leave = (-((max_length - before) // period))[:, None] + k
+    j = jnp.concatenate([enter, leave], axis=1)
+    touched = (j >= 0) & jnp.concatenate(
+        [enter <= last, leave <= ((count - max_length - 1) // period)[:, None]], axis=1
+    )
+    leaf = j % per_env
+    held = last - (last - leaf) % per_env  # the leaf's latest window now
+    stored = held >= (-((-oldest) // period))[:, None]
+    entered = held > ((before - size) // period)[:, None]
+    return leaf, touched & (~stored | entered), stored
+
+
+def whole_windows(oldest: _I, end: _I, size: int, period: int) -> tuple[_I, _I]:
+    """Per stream holding steps `oldest .. end - 1`: the first start on a multiple of `period`
+    at or after `oldest`, and the number of whole windows of `size` steps on that period."""
+    first = -((-oldest) // period) * period
+    number = (end - size - first) // period + 1
+    return first, number * (number > 0)
+
+
+def draw_whole_windows(
+    key: PRNGKeyArray, first: np.ndarray, number: np.ndarray, period: int, batch_size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """`batch_size` windows drawn uniformly, with replacement, among the `number[e]` windows
+    of each stream from `first[e]` on (`whole_windows`), on the host in int64: `(env,
+    start)`. A 64-bit random integer per draw, reduced modulo the total (bias at most
+    `total / 2**64`). The total must be positive."""
+    words = np.asarray(jax.random.bits(key, (2, batch_size), jnp.uint32)).astype(np.uint64)
+    draws = (((words[0] << np.uint64(32)) | words[1]) % np.uint64(number.sum())).astype(np.int64)
+    ends = np.cumsum(number)
+    env = np.searchsorted(ends, draws, side="right")
+    start = first[env] + (draws - (ends[env] - number[env])) * period
+    return env, start

@@ -415,10 +415,3 @@ def draw_leaves(
     positive = total > 0
     # No NaN even on an all-zero tree (wrappers draw from those too, then discard the rows).
     return leaves, jnp.where(positive, value / jnp.where(positive, total, 1), 0)
-
-
-def priority_mass(priorities: Float[Array, "*s"], alpha: float) -> Float[Array, "*s"]:
-    """`p ** α`, with zero priority mapped to zero mass for every `α` (also `α = 0`)."""
-    if alpha == 1.0:
-        return priorities
-    return jnp.where(priorities > 0, priorities**alpha, 0)

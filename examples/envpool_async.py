@@ -51,6 +51,7 @@ def main(
         "action": jnp.zeros((), jnp.int32),
     }
     buf = dx.TrajectoryBuffer(step, num_envs=num_envs, max_length=max_length)
+    window = dx.Window(sequence_length)  # static: the learner compiles once
 
     # The buffer is donated, so adding a step writes into the existing storage in place. The
     # learner step below is called once per `learn_every` recvs and does far more work, so
@@ -61,7 +62,7 @@ def main(
 
     @eqx.filter_jit(donate="all-except-first")
     def learn(key, buf):
-        sample = buf.sample_mixed(key, replay_batch_size, online_batch_size, sequence_length)
+        sample = buf.sample_mixed(key, replay_batch_size, online_batch_size, window)
         seqs, mask = sample.items, sample.mask
         # A real learner would compute its loss on `seqs`, weighting steps by `mask` and
         # cutting returns at `seqs["done"]`; here we only measure the batch.

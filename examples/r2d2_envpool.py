@@ -212,15 +212,29 @@ def make_optimiser(cfg: Config) -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(10.0), optax.adam(cfg.learning_rate, eps=1e-4))
 
 
+def replay_window(cfg: Config) -> dx.Window:
+    """The prioritised windows: burn-in, the learning part, the n-step bootstrap, on a period."""
+    return dx.Window(
+        cfg.sequence_length,
+        burn_in=cfg.burn_in,
+        bootstrap=cfg.n_step,
+        period=cfg.period,
+        strict=True,
+    )
+
+
+def online_window(cfg: Config) -> dx.Window:
+    """The online queue's windows: any start (strict=False: a window may run past an env's
+    newest step, masked there)."""
+    return dx.Window(cfg.sequence_length, burn_in=cfg.burn_in, bootstrap=cfg.n_step)
+
+
 def make_buffer(cfg: Config) -> dx.PrioritisedTrajectoryBuffer:
     return dx.PrioritisedTrajectoryBuffer(
         step_prototype(),
         num_envs=cfg.num_envs,
         max_length=cfg.max_length,
-        sequence_length=cfg.sequence_length,
-        burn_in=cfg.burn_in,
-        bootstrap=cfg.n_step,
-        period=cfg.period,
+        window=replay_window(cfg),
         priority_exponent=cfg.priority_exponent,
     )
 
@@ -338,15 +352,10 @@ def make_functions(cfg: Config):
         key, k_replay, k_online = jax.random.split(learner.key, 3)
         replay = buf.sample(k_replay, cfg.replay_batch, beta=cfg.importance_exponent)
         items, mask, weights = replay.sample.items, replay.sample.mask, replay.weights
-        # Windows of the online queue, uniformly over its admissible starts (strict=False: a
-        # window may run past an env's newest step, masked there), with weight 1.
+        # Windows of the online queue (each start weighted by its real steps, the default
+        # `distribution_power=1`), with importance weight 1.
         fresh = buf.trajectories.sample(
-            k_online,
-            cfg.online_batch,
-            cfg.sequence_length,
-            burn_in=cfg.burn_in,
-            bootstrap=cfg.n_step,
-            source="online",
+            k_online, cfg.online_batch, online_window(cfg), source="online"
         )
         items = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), items, fresh.items)
         mask = jnp.concatenate([mask, fresh.mask])

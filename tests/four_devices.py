@@ -342,7 +342,7 @@ def _traj_steps(rng: np.random.Generator) -> dict:
 @eqx.filter_jit(donate="all-except-first")
 def _traj_step(key, buf, steps):
     buf = buf.add(steps)
-    return buf, buf.sample(key, BATCH_SIZE, 5)
+    return buf, buf.sample(key, BATCH_SIZE, dx.Window(5))
 
 
 def test_trajectory_buffer_sharded_along_envs():
@@ -534,15 +534,15 @@ class _TrainState(eqx.Module):
 
 def _state_shardings(state: _TrainState, mesh) -> _TrainState:
     """Where each leaf goes on `mesh`: the streams' env axis and the replay batch axis along
-    the mesh's one axis; the sum tree and the scalars replicated."""
+    the mesh's one axis; the priorities (sum tree, scalars) replicated."""
     split, whole = NamedSharding(mesh, P(mesh.axis_names[0])), NamedSharding(mesh, P())
     every = lambda tree, sharding: jax.tree.map(lambda _: sharding, tree)  # noqa: E731
     streams = state.streams
     return _TrainState(
         streams=eqx.tree_at(
-            lambda b: (b.trajectories, b.tree, b.max_priority),
+            lambda b: (b.trajectories, b.priorities),
             streams,
-            (every(streams.trajectories, split), every(streams.tree, whole), whole),
+            (every(streams.trajectories, split), every(streams.priorities, whole)),
         ),
         replays=every(state.replays, split),
         step=whole,
@@ -553,9 +553,8 @@ def test_orbax_checkpoints_sharded_buffers_and_restores_them_on_other_meshes(tmp
     ocp = pytest.importorskip("orbax.checkpoint")
     auto = (AxisType.Auto,)  # XLA places the gathers of an eager sample
     mesh4 = jax.make_mesh((NUM_DEVICES,), ("devices",), axis_types=auto)
-    streams = dx.PrioritisedTrajectoryBuffer(
-        TRAJ_ITEM, TRAJ_ENVS, CAPACITY, sequence_length=4, burn_in=1, bootstrap=1, period=2
-    )
+    window = dx.Window(4, burn_in=1, bootstrap=1, period=2, strict=True)
+    streams = dx.PrioritisedTrajectoryBuffer(TRAJ_ITEM, TRAJ_ENVS, CAPACITY, window)
     rng = np.random.default_rng(5)
     add = jax.jit(lambda b, steps: b.add(steps))
     for _ in range(45):  # past the wrap of the 37 slots

@@ -100,7 +100,7 @@ def _indices(seed: int, n: int = BATCH, high: int = BATCH):
     return np.random.default_rng(seed).integers(0, high, n).astype(np.int32)
 
 
-def _stamps(seed: int, n: int = BATCH):
+def _generations(seed: int, n: int = BATCH):
     return np.random.default_rng(seed).integers(0, 3, n).astype(np.uint32)
 
 
@@ -178,13 +178,14 @@ _PRIORITISED = {
         lambda b, a: (b.set_priorities(a[0], a[1], mask=a[2]), None),
         lambda s: (_indices(s), _priorities(s), _mask(s)),
     ),
-    # After the fill every stored slot has generation 1: some stamps current, some not.
-    "set_priorities(stamps)": _new(
-        lambda b, a: (b.set_priorities(a[0], a[1], stamps=a[2]), None),
-        lambda s: (_indices(s), _priorities(s), _stamps(s)),
+    # After the fill every stored slot has generation 1: some current, some not.
+    "set_priorities(generations)": _new(
+        lambda b, a: (b.set_priorities(a[0], a[1], generations=a[2]), None),
+        lambda s: (_indices(s), _priorities(s), _generations(s)),
     ),
-    "stale": _query(lambda b, a: b.stale(a[0], a[1]), lambda s: (_indices(s), _stamps(s))),
+    "stale": _query(lambda b, a: b.stale(a[0], a[1]), lambda s: (_indices(s), _generations(s))),
     "max_priority": _query(lambda b, a: b.max_priority, _none),
+    "tree": _query(lambda b, a: b.tree, _none),
     # The free function that goes with a prioritised sample.
     "importance_weights": _query(
         lambda b, a: dx.importance_weights(b.sample(a, BATCH).probabilities, b.size, 0.4),
@@ -235,12 +236,12 @@ _CLUSTERED_PRIORITISED = {
         lambda b, a: (_clustered_set_priorities(b, a), None),
         lambda s: (np.zeros(BATCH, np.int32) + s % 2, _priorities(s)),
     ),
-    "set_priorities(stamps)": _new(
+    "set_priorities(generations)": _new(
         lambda b, a: (
-            b.set_priorities(a[0], jnp.zeros_like(a[0]), a[1], stamps=a[2]),
+            b.set_priorities(a[0], jnp.zeros_like(a[0]), a[1], generations=a[2]),
             None,
         ),
-        lambda s: (np.zeros(BATCH, np.int32) + s % 2, _priorities(s), _stamps(s)),
+        lambda s: (np.zeros(BATCH, np.int32) + s % 2, _priorities(s), _generations(s)),
     ),
 }
 
@@ -313,45 +314,72 @@ _trajectory_fill = _new(
     lambda s: (_items(s, NUM_ENVS), _env_steps(s + 1, [2, 0])),
 )
 
+# One module-level window per compiled sampler (a window is static: each new one compiles).
+_SEQUENCE = dx.Window(SEQUENCE)
+_WINDOWS = dx.Window(1, burn_in=1, bootstrap=1, period=2, episode_ends="within", done="done")
+_NSTEP = dx.NStep(1, reward="rew", terminated="done")
+
+
+# After the fill, envs 0 and 2 hold steps 0 and 1, env 1 step 0: stamps of stored steps.
+def _stored_stamps(seed: int):
+    return np.asarray([0, 2, 1], np.int32), np.asarray([seed % 2, 1, 0], np.int32)
+
+
+def _streams_methods(add: str) -> dict[str, Method]:
+    """What every trajectory buffer has (`AbstractTrajectoryBuffer`), with `add` the name of
+    the one-step append (`append` for `Streams`)."""
+    return {
+        add: _new(
+            lambda b, a: (getattr(b, add)(a[0], env_ids=a[1]), None),
+            lambda s: _env_steps(s, [(s + 1) % NUM_ENVS, s % NUM_ENVS]),
+        ),
+        f"{add}(all envs)": _new(
+            lambda b, a: (getattr(b, add)(a), None), lambda s: _items(s, NUM_ENVS)
+        ),
+        "extend": _new(
+            lambda b, a: (b.extend(a[0], env_ids=a[1]), None),
+            lambda s: _env_sequences(s, [(s + 1) % NUM_ENVS, s % NUM_ENVS]),
+        ),
+        "stale": _query(lambda b, a: b.stale(a[0], a[1]), _stored_stamps),
+        "head": _query(lambda b, a: b.head, _none),
+    }
+
+
+def _abstract_trajectory_methods() -> dict[str, Method]:
+    return {
+        **_streams_methods("add"),
+        "peek": _query(
+            lambda b, a: b.peek(a),
+            lambda s: np.asarray([s % NUM_ENVS, 0], np.int32),
+        ),
+        "peek(all envs)": _query(lambda b, a: b.peek(), _none),
+        "data": _query(lambda b, a: b.data, _none),
+        "step_count": _query(lambda b, a: b.step_count, _none),
+        # A query: the buffer it makes has lost its online queue, unread steps or priorities,
+        # which the methods after it use.
+        "with_streams": _query(lambda b, a: b.with_streams(b.streams), _none),
+    }
+
+
 _TRAJECTORY = {
-    "add": _new(
-        lambda b, a: (b.add(a[0], env_ids=a[1]), None),
-        lambda s: _env_steps(s, [(s + 1) % NUM_ENVS, s % NUM_ENVS]),
-    ),
-    "add(all envs)": _new(lambda b, a: (b.add(a), None), lambda s: _items(s, NUM_ENVS)),
-    "extend": _new(
-        lambda b, a: (b.extend(a[0], env_ids=a[1]), None),
-        lambda s: _env_sequences(s, [(s + 1) % NUM_ENVS, s % NUM_ENVS]),
-    ),
-    "peek": _query(
-        lambda b, a: b.peek(a),
-        lambda s: np.asarray([s % NUM_ENVS, 0], np.int32),
-    ),
-    "peek(all envs)": _query(lambda b, a: b.peek(), _none),
+    **_abstract_trajectory_methods(),
     "sample": _query(
-        lambda b, a: b.sample(a[0], BATCH, SEQUENCE, distribution_power=a[1]),
+        lambda b, a: b.sample(a[0], BATCH, _SEQUENCE, distribution_power=a[1]),
         lambda s: (_key(s), np.float32(1.5)),
     ),
-    "sample(online)": _query(lambda b, a: b.sample(a, BATCH, SEQUENCE, source="online"), _key),
-    "sample_mixed": _query(lambda b, a: b.sample_mixed(a, 2, 1, SEQUENCE), _key),
-    "sample(windows)": _query(
-        lambda b, a: b.sample(
-            a, BATCH, 1, burn_in=1, bootstrap=1, period=2, episode_ends="within", done="done"
-        ),
-        _key,
-    ),
+    "sample(online)": _query(lambda b, a: b.sample(a, BATCH, _SEQUENCE, source="online"), _key),
+    "sample_mixed": _query(lambda b, a: b.sample_mixed(a, 2, 1, _SEQUENCE), _key),
+    "sample(windows)": _query(lambda b, a: b.sample(a, BATCH, _WINDOWS), _key),
     "sample_transitions": _query(
-        lambda b, a: b.sample_transitions(
-            a[0], BATCH, 1, discount=a[1], reward="rew", terminated="done"
-        ),
+        lambda b, a: b.sample_transitions(a[0], BATCH, _NSTEP, discount=a[1]),
         lambda s: (_key(s), np.float32(0.9)),
     ),
-    # After the fill, envs 0 and 2 hold steps 0 and 1, env 1 step 0.
-    "overwritten": _query(
-        lambda b, a: b.overwritten(a[0], a[1]),
-        lambda s: (np.asarray([0, 2, 1], np.int32), np.asarray([s % 2, 1, 0], np.int32)),
+    # The windows from each env's newest step (older ones may be stale after a few steps).
+    "read": _query(
+        lambda b, a: b.read(a, b.step_count[a] - 1, _WINDOWS),
+        lambda s: np.asarray([s % NUM_ENVS, 0], np.int32),
     ),
-    "head": _query(lambda b, a: b.head, _none),
+    "replay_length": _query(lambda b, a: b.replay_length, _none),
     "lengths": _query(lambda b, a: b.lengths(), _none),
     "lengths(online)": _query(lambda b, a: b.lengths("online"), _none),
     "reset_online_queue": _new(lambda b, a: (b.reset_online_queue(), None), _none),
@@ -367,9 +395,8 @@ def _trajectory(spec, capacity):
 def _prioritised_trajectory(spec, capacity):
     # Any capacity (the save/load tests try several): the period divides it.
     period = 2 if capacity % 2 == 0 else 1
-    return dx.PrioritisedTrajectoryBuffer(
-        spec, NUM_ENVS, capacity, 1, burn_in=min(1, capacity - 1), period=period
-    )
+    window = dx.Window(1, burn_in=min(1, capacity - 1), period=period, strict=True)
+    return dx.PrioritisedTrajectoryBuffer(spec, NUM_ENVS, capacity, window)
 
 
 def _window_stamps(seed: int):
@@ -377,9 +404,7 @@ def _window_stamps(seed: int):
 
 
 _PRIORITISED_TRAJECTORY = {
-    "add": _TRAJECTORY["add"],
-    "add(all envs)": _TRAJECTORY["add(all envs)"],
-    "extend": _TRAJECTORY["extend"],
+    **_abstract_trajectory_methods(),
     "sample": _query(
         lambda b, a: b.sample(a[0], BATCH, beta=a[1]), lambda s: (_key(s), np.float32(0.5))
     ),
@@ -387,9 +412,65 @@ _PRIORITISED_TRAJECTORY = {
         lambda b, a: (b.set_priorities(a[0], a[1], a[2]), None),
         lambda s: (*_window_stamps(s), _priorities(s)),
     ),
-    "stale": _query(lambda b, a: b.stale(*a), _window_stamps),
+    "stale(windows)": _query(lambda b, a: b.stale(*a), _window_stamps),
     "num_windows": _query(lambda b, a: b.num_windows, _none),
+    "stamp_of": _query(lambda b, a: b.stamp_of(a), lambda s: np.asarray([s % 6, 0, 5], np.int32)),
+    "window_masses": _query(lambda b, a: b.window_masses(), _none),
+    "with_window_masses": _new(
+        lambda b, a: (b.with_window_masses(a[:, : b.leaves_per_env]), None),
+        lambda s: np.random.default_rng(s).random((NUM_ENVS, 8)).astype(np.float32),
+    ),
+    "tree": _query(lambda b, a: b.tree, _none),
+    "max_priority": _query(lambda b, a: b.max_priority, _none),
 }
+
+
+# TrajectoryQueue: after the fill, envs 0 and 2 hold 2 unread steps, env 1 one, so `pop` takes
+# one. A training step adds more than it pops (the tests run three steps from the fill, up to
+# 9 unread steps in an env), so the queue holds three times the capacity.
+_QUEUE = {
+    **_abstract_trajectory_methods(),
+    "can_add": _query(lambda b, a: b.can_add(2), _none),
+    "can_pop": _query(lambda b, a: b.can_pop(1), _none),
+    "pop": _new(lambda b, a: (lambda items, new: (new, items))(*b.pop(1)), _none),
+}
+
+
+def _queue(spec, capacity):
+    return dx.TrajectoryQueue(spec, NUM_ENVS, 3 * capacity)
+
+
+# Streams: the storage of every trajectory buffer, on its own.
+_STREAMS = {
+    **_streams_methods("append"),
+    "newest": _query(lambda b, a: b.newest(a), lambda s: np.asarray([s % 2, 0], np.int32)),
+    # Steps for streams of up to 8 steps, cut to the streams' length.
+    "restore": _new(
+        lambda b, a: (
+            b.restore(
+                jax.tree.map(lambda x: x[:, : b.max_length], a),
+                jnp.asarray([5, 0, 2]),
+                jnp.asarray([min(4, b.max_length), 0, 2]),
+            ),
+            None,
+        ),
+        lambda s: jax.tree.map(
+            lambda x: x.reshape(NUM_ENVS, 8, *x.shape[1:]), _items(s, NUM_ENVS * 8)
+        ),
+    ),
+}
+
+
+def _streams(spec, capacity):
+    return dx.Streams(spec, NUM_ENVS, capacity)
+
+
+def _streams_fill_call(b, a):
+    first, second = a
+    return b.append(first).append(second[0], env_ids=second[1]), None
+
+
+_streams_fill = _new(_streams_fill_call, _trajectory_fill.args)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -464,10 +545,32 @@ def _prioritised_trajectory_step(buf, spec, rng):
     return _add_envs(buf, random_bits_batch(spec, n, rng), ids)
 
 
+_pop = eqx.filter_jit(lambda q: q.pop(1)[1])
+_append_envs = eqx.filter_jit(lambda b, x, ids: b.append(x, env_ids=ids))
+
+
+def _queue_step(queue, spec, rng):
+    # Pop when every env has an unread step, then add to envs that have room.
+    if bool(queue.can_pop(1)) and rng.random() < 0.5:
+        queue = _pop(queue)
+    room = np.flatnonzero(np.asarray(queue.unread) < queue.max_length)
+    if room.size == 0:
+        return _pop(queue)
+    ids = rng.permutation(room)[: int(rng.integers(1, room.size + 1))].astype(np.int32)
+    return _add_envs(queue, random_bits_batch(spec, ids.size, rng), ids)
+
+
+def _streams_step(streams, spec, rng):
+    n = int(rng.integers(1, NUM_ENVS + 1))
+    ids = rng.permutation(NUM_ENVS)[:n].astype(np.int32)
+    return _append_envs(streams, random_bits_batch(spec, n, rng), ids)
+
+
 # ---------------------------------------------------------------------------------------------
 
 
 _STATIC = "a static Python value, not an array"
+_TRAJECTORY_STATIC = {"item_spec": _STATIC, "num_envs": _STATIC, "max_length": _STATIC}
 
 BUFFER_TYPES = [
     BufferType(
@@ -494,7 +597,12 @@ BUFFER_TYPES = [
         dx.PrioritisedReplay,
         _replay_fill,
         _PRIORITISED,
-        {"max_size": _STATIC, "item_spec": _STATIC},
+        {
+            "max_size": _STATIC,
+            "item_spec": _STATIC,
+            "priority_exponent": _STATIC,
+            "stratified": _STATIC,
+        },
         _prioritised_step,
     ),
     BufferType(
@@ -529,12 +637,21 @@ BUFFER_TYPES = [
         _sum_tree_step,
     ),
     BufferType(
+        "Streams",
+        dx.Streams,
+        _streams,
+        _streams_fill,
+        _STREAMS,
+        {"item_spec": _STATIC},
+        _streams_step,
+    ),
+    BufferType(
         "TrajectoryBuffer",
         dx.TrajectoryBuffer,
         _trajectory,
         _trajectory_fill,
         _TRAJECTORY,
-        {"item_spec": _STATIC},
+        {**_TRAJECTORY_STATIC, "overwritten": "a deprecated alias of `stale`"},
         _trajectory_step,
     ),
     BufferType(
@@ -543,8 +660,33 @@ BUFFER_TYPES = [
         _prioritised_trajectory,
         _trajectory_fill,
         _PRIORITISED_TRAJECTORY,
-        {"item_spec": _STATIC, "window": _STATIC, "slots_per_env": _STATIC},
+        {
+            **_TRAJECTORY_STATIC,
+            "leaves_per_env": _STATIC,
+            "priority_exponent": _STATIC,
+            "stratified": _STATIC,
+            **{
+                name: f"a deprecated alias of `{new}`"
+                for name, new in [
+                    ("slots_per_env", "leaves_per_env"),
+                    ("sequence_length", "window.sequence_length"),
+                    ("burn_in", "window.burn_in"),
+                    ("bootstrap", "window.bootstrap"),
+                    ("period", "window.period"),
+                ]
+            },
+            "streams": "`trajectories.streams`, a `Streams` (its own entry covers it)",
+        },
         _prioritised_trajectory_step,
+    ),
+    BufferType(
+        "TrajectoryQueue",
+        dx.TrajectoryQueue,
+        _queue,
+        _trajectory_fill,
+        _QUEUE,
+        _TRAJECTORY_STATIC,
+        _queue_step,
     ),
 ]
 

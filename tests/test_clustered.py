@@ -300,10 +300,10 @@ def test_prioritised_inner_samples_cluster_then_priority(power):
     assert isinstance(drawn, dx.PrioritisedSample)
     # Each row's index and probability are those of its item within its own cluster.
     rows = np.stack([np.asarray(x) for x in drawn[:3]], axis=1)  # items, indices, probs
-    # Stamps are the write generations of each row's slot in its own cluster.
+    # `generations` are the write generations of each row's slot in its own cluster.
     clusters = np.asarray(drawn.items) // 1000
     generations = [model.clusters[c].generations[i] for c, i in zip(clusters, drawn.indices)]
-    assert np.asarray(drawn.stamps).tolist() == generations
+    assert np.asarray(drawn.generations).tolist() == generations
     for label, index, probability in np.unique(rows, axis=0):
         cluster = model.clusters[int(label) // 1000]
         assert cluster.contents()[int(index)] == label
@@ -531,12 +531,26 @@ def test_prioritised_inner_drops_stale_priority_updates():
     leaves = eqx.filter_vmap(lambda r: r.tree.leaves)  # one row per cluster
     before = np.asarray(leaves(replay.clusters))
     priorities = np.random.default_rng(0).uniform(1, 2, 64).astype(np.float32)
-    update = eqx.filter_jit(lambda r, c, i, p, s: r.set_priorities(c, i, p, stamps=s))
+    update = eqx.filter_jit(lambda r, c, i, p, g: r.set_priorities(c, i, p, generations=g))
     after = np.asarray(
-        leaves(update(replay, clusters, drawn.indices, priorities, drawn.stamps).clusters)
+        leaves(update(replay, clusters, drawn.indices, priorities, drawn.generations).clusters)
     )
     want = before.copy()
     for c, i, p in zip(clusters, np.asarray(drawn.indices), priorities):
         if c != 1:  # cluster 1's sampled slots hold new items: left alone
             want[c, i] = p**0.5
     np.testing.assert_allclose(after, want, rtol=1e-6)
+
+
+def test_prioritised_inner_takes_the_deprecated_stamps_with_a_warning():
+    # `set_priorities(stamps=...)`: the old name of `generations`, for one release.
+    replay, _ = _prioritised(1.0)
+    drawn = replay.sample(jax.random.key(3), 8)
+    clusters = (np.asarray(drawn.items) // 1000).astype(np.int32)
+    priorities = jnp.arange(1.0, 9.0)
+    want = replay.set_priorities(clusters, drawn.indices, priorities, generations=drawn.generations)
+    with pytest.warns(DeprecationWarning, match=r"set_priorities\(stamps=...\)` is deprecated"):
+        old = replay.set_priorities(clusters, drawn.indices, priorities, stamps=drawn.generations)
+    leaves = eqx.filter_vmap(lambda r: r.tree.leaves)
+    np.testing.assert_array_equal(leaves(old.clusters), leaves(want.clusters))
+    assert not np.array_equal(leaves(old.clusters), leaves(replay.clusters))

@@ -58,8 +58,7 @@ def _async_adds(buf, rng, count: int, per_call: int, num_envs: int):
     """`count` adds of `per_call` random envs each, with the steps `_steps` numbers."""
     for _ in range(count):
         ids = rng.permutation(num_envs)[:per_call].astype(np.int32)
-        t = buf.trajectories if isinstance(buf, dx.PrioritisedTrajectoryBuffer) else buf
-        buf = _add(buf, _steps(ids, np.asarray(t.step_count)[ids]), ids)
+        buf = _add(buf, _steps(ids, np.asarray(buf.step_count)[ids]), ids)
     return buf
 
 
@@ -147,10 +146,11 @@ def test_write_refuses_a_buffer_it_does_not_follow(tmp_path):
         ds.write(dx.TrajectoryBuffer({"obs": STEP["obs"]}, 2, 8))
 
 
+WINDOW = dx.Window(3, burn_in=1, bootstrap=1, period=2, strict=True)
+
+
 def _prioritised(num_envs=3, max_length=12):
-    return dx.PrioritisedTrajectoryBuffer(
-        STEP, num_envs, max_length, sequence_length=3, burn_in=1, bootstrap=1, period=2
-    )
+    return dx.PrioritisedTrajectoryBuffer(STEP, num_envs, max_length, WINDOW)
 
 
 @jax.jit
@@ -186,19 +186,18 @@ def test_prioritised_buffer_comes_back_with_its_priorities(tmp_path):
     assert float(loaded.max_priority) == float(buf.max_priority) == ds.max_priority
     np.testing.assert_array_equal(loaded.tree.leaves, buf.tree.leaves)
     np.testing.assert_array_equal(loaded.tree.total, buf.tree.total)
-    t, u = loaded.trajectories, buf.trajectories
-    np.testing.assert_array_equal(t.step_count, u.step_count)
-    np.testing.assert_array_equal(t.replay_length, u.replay_length)
+    np.testing.assert_array_equal(loaded.step_count, buf.step_count)
+    np.testing.assert_array_equal(loaded.streams.lengths, buf.streams.lengths)
     # The same draws, windows and weights as the buffer that was written.
     for k in range(3):
         a, b = _sample16(loaded, jax.random.key(k)), _sample16(buf, jax.random.key(k))
         for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
             np.testing.assert_array_equal(x, y)
     # What the dataset holds for a window is its sum-tree mass as of the last write.
-    env, start = 1, int(ds.ends[1] - buf.window)
-    start -= start % buf.period
+    env, start = 1, int(ds.ends[1] - buf.window.size)
+    start -= start % buf.window.period
     mass = ds.priorities(env, start, start + 1)[0]
-    leaf = env * buf.slots_per_env + (start // buf.period) % buf.slots_per_env
+    leaf = env * buf.leaves_per_env + (start // buf.window.period) % buf.leaves_per_env
     assert mass == np.float32(buf.tree.leaves[leaf])
     assert np.isnan(ds.priorities(env, start + 1, start + 2)[0])  # not a window start
 
@@ -221,12 +220,40 @@ def test_load_keeps_the_newest_steps_and_defaults_missing_priorities(tmp_path):
         ds.load(dx.TrajectoryBuffer(STEP, 3, 4))
 
 
+def test_a_queue_is_written_and_loaded_as_its_streams(tmp_path):
+    # A queue's streams keep the steps it popped until they are overwritten: `write` takes
+    # every step it took once, and `load` gives a queue with its streams and nothing unread.
+    queue = dx.TrajectoryQueue(STEP, 2, 4)
+    ds = dx.Dataset.create(tmp_path / "d", queue, 2, chunk_length=3)
+    ids = np.arange(2)
+    written = 0
+    for k in range(3):
+        queue = queue.extend(_steps(ids[:, None], 3 * k + np.arange(3)[None, :]))
+        written += ds.write(queue)
+        _, queue = queue.pop(3)
+    assert written == 18
+    np.testing.assert_array_equal(ds.starts, [0, 0])
+    np.testing.assert_array_equal(ds.ends, [9, 9])
+    for e in range(2):
+        _assert_holds(ds, e, 0, 9)
+    loaded = dx.Dataset.open(ds.path, STEP).load(dx.TrajectoryQueue(STEP, 2, 4))
+    assert isinstance(loaded, dx.TrajectoryQueue)
+    assert loaded.unread.tolist() == [0, 0] and loaded.step_count.tolist() == [9, 9]
+    for x, y in zip(jax.tree.leaves(loaded), jax.tree.leaves(queue)):
+        np.testing.assert_array_equal(x, y)
+    # It goes on from there: new steps are numbered after the loaded ones and read once.
+    loaded = loaded.extend(_steps(ids[:, None], 9 + np.arange(2)[None, :]))
+    chunk, loaded = loaded.pop(2)
+    want = _steps(ids[:, None], 9 + np.arange(2)[None, :])
+    for k in want:
+        np.testing.assert_array_equal(chunk[k], want[k])
+    assert loaded.step_count.tolist() == [11, 11] and loaded.unread.tolist() == [0, 0]
+
+
 def test_load_refuses_other_priority_settings(tmp_path):
     _, ds = _prioritised_history(tmp_path)
-    other = dx.PrioritisedTrajectoryBuffer(
-        STEP, 3, 12, sequence_length=3, burn_in=1, bootstrap=1, period=2, priority_exponent=0.5
-    )
-    with pytest.raises(ValueError, match=r"`like` has priority_exponent = 0.5, but .* with 0.6"):
+    other = dx.PrioritisedTrajectoryBuffer(STEP, 3, 12, WINDOW, priority_exponent=0.5)
+    with pytest.raises(ValueError, match=r"`like`'s priority_exponent is 0.5, but .* with 0.6"):
         ds.load(other)
 
 
@@ -247,12 +274,15 @@ def test_sample_draws_stored_whole_windows_uniformly(tmp_path):
     s = ds.sample(
         jax.random.key(0),
         draws,
-        3,
-        burn_in=1,
-        bootstrap=1,
-        period=3,
-        episode_ends="truncate",
-        done="done",
+        dx.Window(
+            3,
+            burn_in=1,
+            bootstrap=1,
+            period=3,
+            episode_ends="truncate",
+            done="done",
+            strict=True,
+        ),
     )
     env, start = np.asarray(s.env), np.asarray(s.start)
     for b in range(0, draws, 97):  # every drawn window is the stored one
@@ -275,11 +305,15 @@ def test_sample_errors(tmp_path):
     ds = dx.Dataset.create(tmp_path / "d", STEP, 2)
     ds.append(_steps(np.arange(2)[:, None], np.arange(4)[None, :]))
     with pytest.raises(ValueError, match="no env holds a whole window of 5 steps"):
-        ds.sample(jax.random.key(0), 2, 5)
-    with pytest.raises(ValueError, match="`Dataset.sample.episode_ends='truncate'.` needs `done`"):
-        ds.sample(jax.random.key(0), 2, 2, episode_ends="truncate")
-    with pytest.raises(ValueError, match="the step has no leaf 'finished'"):
-        ds.sample(jax.random.key(0), 2, 2, episode_ends="within", done="finished")
+        ds.sample(jax.random.key(0), 2, dx.Window(5, strict=True))
+    # The window's options are checked by `Window`, once, when it is made.
+    with pytest.raises(ValueError, match=r"`Window\(episode_ends='truncate'\)` needs `done`"):
+        dx.Window(2, episode_ends="truncate", strict=True)
+    with pytest.raises(ValueError, match="a dataset is sampled in whole windows"):
+        ds.sample(jax.random.key(0), 2, dx.Window(2))
+    within = dx.Window(2, episode_ends="within", done="finished", strict=True)
+    with pytest.raises(ValueError, match="`Dataset.sample`.*the step has no leaf 'finished'"):
+        ds.sample(jax.random.key(0), 2, within)
 
 
 def test_bad_input_is_refused_with_its_reason(tmp_path):

@@ -62,7 +62,8 @@ def test_lock_step_matches_flashbax():
         state = fb.init(step)
     buf = dx.TrajectoryBuffer(step, num_envs=E, max_length=N)
     add = jax.jit(lambda b, x: jax.lax.scan(lambda b, s: (b.add(s), None), b, x)[0])
-    sample = jax.jit(lambda b, k: b.sample(k, DRAWS, L, period=P, strict=True))
+    window = dx.Window(L, period=P, strict=True)
+    sample = jax.jit(lambda b, k: b.sample(k, DRAWS, window))
     # Checked twice: after 4 adds (8 steps in 12 slots) and after 11 (every ring wrapped).
     for adds in range(1, 12):
         batch = _batch(adds - 1)

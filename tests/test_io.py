@@ -7,8 +7,10 @@ import os
 import stat
 import struct
 from collections.abc import Callable
+from pathlib import Path
 
 import dejax_eqx as dx
+import dejax_eqx._io as dx_io
 import equinox as eqx
 import hypothesis.strategies as st
 import jax
@@ -18,7 +20,7 @@ import pytest
 from hypothesis import given
 
 from .helpers import assert_bits_equal, random_bits_batch, SPECS
-from .registry import BUFFER_TYPES, BufferType, make_batch, stack
+from .registry import BUFFER_TYPES, BufferType, BY_NAME, make_batch, stack
 
 
 # ---------------------------------------------------------------------------------------------
@@ -309,9 +311,12 @@ def test_unreadable_files_with_valid_checksums(tmp_path):
     path, data, like = _small_file(tmp_path)
     damaged = tmp_path / "damaged.dx"
 
-    damaged.write_bytes(_rewrite(data, version=2))
-    with pytest.raises(ValueError, match="format version 2; .* reads version 1 only"):
-        dx.load(damaged, like=like)
+    for version in [0, 3]:
+        damaged.write_bytes(_rewrite(data, version=version))
+        with pytest.raises(
+            ValueError, match=f"format version {version}; .* reads versions 1 and 2 only"
+        ):
+            dx.load(damaged, like=like)
 
     damaged.write_bytes(_rewrite(data, payload_suffix=b"extra"))
     with pytest.raises(ValueError, match="unexpected bytes after its last array"):
@@ -341,6 +346,86 @@ def test_not_a_save_file(tmp_path):
         dx.load(npy, like=dx.UniformReplay(_ITEM, 8))
     with pytest.raises(FileNotFoundError):
         dx.load(tmp_path / "missing.dx", like=dx.UniformReplay(_ITEM, 8))
+
+
+# ---------------------------------------------------------------------------------------------
+# Files of format 1 (dejax_eqx 0.1): the bytes are laid out as in format 2, so one whose header
+# matches `like` loads; one that does not is refused with directions for carrying it over
+# (the trajectory buffers and `PrioritisedReplay` changed their fields in 0.2).
+
+# Types whose fields did not change in 0.2: their format-1 files are format-2 files but for the
+# version number.
+UNCHANGED_IN_0_2 = ["UniformReplay", "CircularBuffer", "ClusteredReplay(UniformReplay)", "SumTree"]
+
+# A real file of dejax_eqx 0.1 (1152 bytes). Made with the code of commit ea5f5c8, the last
+# to write format 1, checked out with `git worktree add /tmp/dejax_old ea5f5c8` and run with
+# `PYTHONPATH=/tmp/dejax_old` and this repository's `.venv` python:
+#
+#     buf = dx.TrajectoryBuffer({"obs": jnp.zeros(2, jnp.float32)}, num_envs=2, max_length=4)
+#     buf = buf.add({"obs": jnp.asarray([[1.0, 2.0], [3.0, 4.0]], jnp.float32)})
+#     buf = buf.add({"obs": jnp.asarray([[5.0, 6.0], [7.0, 8.0]], jnp.float32)})
+#     dx.save("tests/data/trajectory_buffer_format1.dx", buf)
+FORMAT_1_TRAJECTORY_BUFFER = Path(__file__).parent / "data" / "trajectory_buffer_format1.dx"
+
+
+def _version_and_header(data: bytes) -> tuple[int, dict]:
+    _, version, header_size = struct.unpack("<8sIQ", data[:20])
+    return version, json.loads(data[20 : 20 + header_size])
+
+
+def _assert_format_1_refusal(message: str, path) -> None:
+    """The refusal of a format-1 file that does not match `like`: what, why, what to do, and
+    the differences."""
+    assert message.startswith(f"`dx.load`: {str(path)!r} was written by dejax_eqx 0.1 (format 1)")
+    for phrase in [
+        "does not match `like`",
+        "The layout of `TrajectoryBuffer`, `PrioritisedTrajectoryBuffer`, `TrajectoryQueue` "
+        "and `PrioritisedReplay` changed in dejax_eqx 0.2",
+        "load it with dejax_eqx 0.1, write it to a `dx.Dataset` with `Dataset.write`, and "
+        "`Dataset.load` it with this version (datasets carry over unchanged)",
+        "`PrioritisedReplay` over, load it with dejax_eqx 0.1 and add its items, with their "
+        "priorities, to a new one",
+    ]:
+        assert phrase in message
+    assert "\n  - " in message  # the differences, one per line, as for any mismatch
+
+
+@pytest.mark.parametrize("name", UNCHANGED_IN_0_2)
+def test_format_1_file_of_an_unchanged_type_loads(tmp_path, name):
+    case = BY_NAME[name]
+    spec = SPECS["dict"]
+    buf = case.step(case.make(spec, 4), spec, np.random.default_rng(0))
+    path = tmp_path / "buf.dx"
+    dx.save(path, buf)
+    assert _version_and_header(path.read_bytes())[0] == 2
+    path.write_bytes(_rewrite(path.read_bytes(), version=1))
+    assert_bits_equal(dx.load(path, like=case.make(spec, 4)), buf)
+
+
+def test_format_1_file_that_does_not_match_is_refused_with_directions(tmp_path):
+    path, data, _ = _small_file(tmp_path)
+    path.write_bytes(_rewrite(data, version=1))
+    with pytest.raises(ValueError) as info:
+        dx.load(path, like=dx.UniformReplay(SPECS["nested"], 4))
+    _assert_format_1_refusal(str(info.value), path)
+    assert str(info.value).endswith(
+        "in:\n  - static value `.storage.max_size`: expected 4 (from `like`), found 3"
+        "\n  - leaf `.storage.data['a'][0]`: expected shape (4, 2) (from `like`), found (3, 2)"
+        "\n  - leaf `.storage.data['a'][1]['b']`: expected shape (4,) (from `like`), found (3,)"
+        "\n  - leaf `.storage.data['c']`: expected shape (4, 1) (from `like`), found (3, 1)"
+    )
+
+
+def test_format_1_trajectory_buffer_is_refused_with_directions():
+    # Depends only on the file being of format 1 and differing from `like`: the message lists
+    # the differences, whatever the 0.2 fields are.
+    path = FORMAT_1_TRAJECTORY_BUFFER
+    version, header = _version_and_header(path.read_bytes())
+    assert version == 1 and header["type"] == "dejax_eqx._trajectory.TrajectoryBuffer"
+    like = dx.TrajectoryBuffer({"obs": jnp.zeros(2, jnp.float32)}, num_envs=2, max_length=4)
+    with pytest.raises(ValueError) as info:
+        dx.load(path, like=like)
+    _assert_format_1_refusal(str(info.value), path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -458,6 +543,49 @@ def test_successful_save_replaces_the_file(tmp_path):
     umask = os.umask(0)
     os.umask(umask)
     assert os.stat(fresh).st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_save_goes_through_replace_atomically(tmp_path, monkeypatch):
+    calls = []
+    real = dx_io.replace_atomically
+
+    def recording(path, write, **kwargs):
+        calls.append((path, kwargs))
+        real(path, write, **kwargs)
+
+    monkeypatch.setattr(dx_io, "replace_atomically", recording)
+    dx.save(tmp_path / "b.dx", dx.UniformReplay(_ITEM, 8))
+    assert calls == [(tmp_path / "b.dx", {})]  # with `sync`, the default
+
+
+def test_replace_atomically_writes_a_text_payload_without_syncing(tmp_path, monkeypatch):
+    # What `_dataset.py` does with its manifest: text, encoded by the caller, and `sync=False`.
+    path = tmp_path / "manifest.json"
+    fsyncs = []
+    monkeypatch.setattr(os, "fsync", lambda fd: fsyncs.append(fd))
+    for text in [json.dumps({"a": 1}), json.dumps({"é": [2]}, ensure_ascii=False, indent=1)]:
+        dx_io.replace_atomically(str(path), lambda f: f.write(text.encode()), sync=False)
+        assert path.read_text(encoding="utf-8") == text
+    assert fsyncs == []
+    assert sorted(os.listdir(tmp_path)) == [path.name]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(path).st_mode & 0o777 == 0o666 & ~umask
+
+
+@pytest.mark.parametrize("error", [InjectedFailure, KeyboardInterrupt])
+def test_replace_atomically_failure_leaves_previous_file(tmp_path, error):
+    path = tmp_path / "manifest.json"
+    path.write_text("previous")
+
+    def failing(file):
+        file.write(b"half of the new con")
+        raise error("injected failure while writing")
+
+    with pytest.raises(error, match="injected"):
+        dx_io.replace_atomically(path, failing)
+    assert sorted(os.listdir(tmp_path)) == [path.name]
+    assert path.read_text() == "previous"
 
 
 def test_save_inside_jit_is_refused(tmp_path):

@@ -43,7 +43,9 @@ _add_batch_p = eqx.filter_jit(lambda r, x, p: r.add_batch(x, p))
 _add_batch_m = eqx.filter_jit(lambda r, x, m: r.add_batch(x, mask=m))
 _add_batch_pm = eqx.filter_jit(lambda r, x, p, m: r.add_batch(x, p, mask=m))
 _set_priorities = eqx.filter_jit(lambda r, i, p: r.set_priorities(i, p))
-_set_stamped = eqx.filter_jit(lambda r, i, p, s: (r.set_priorities(i, p, stamps=s), r.stale(i, s)))
+_set_stamped = eqx.filter_jit(
+    lambda r, i, p, g: (r.set_priorities(i, p, generations=g), r.stale(i, g))
+)
 _update = eqx.filter_jit(lambda r: r.update(bump))
 _sample = eqx.filter_jit(lambda r, key: r.sample(key, SAMPLE))
 
@@ -77,7 +79,7 @@ class PrioritisedReplayMachine(RuleBasedStateMachine):
         self.replay = dx.PrioritisedReplay(self.spec, max_size, ALPHA)
         self.model = RefPrioritisedReplay(max_size, ALPHA)
         self.key = jax.random.key(seed)
-        self.samples: list = []  # (indices, stamps) of the latest samples, oldest first
+        self.samples: list = []  # (indices, generations) of the latest samples, oldest first
 
     def _priorities(self, data, n):
         return _f32(data.draw(st.lists(st.sampled_from(PRIORITIES), min_size=n, max_size=n)))
@@ -177,7 +179,9 @@ class PrioritisedReplayMachine(RuleBasedStateMachine):
                 _sample(self.replay, key)
             return
         except AllZeroError:
-            with pytest.raises(RuntimeError, match="priorities are all zero"):
+            with pytest.raises(
+                RuntimeError, match="every stored item has priority 0; none can be drawn"
+            ):
                 _sample(self.replay, key)
             return
         s = _sample(self.replay, key)
@@ -187,20 +191,20 @@ class PrioritisedReplayMachine(RuleBasedStateMachine):
         np.testing.assert_allclose(np.asarray(s.probabilities), expected[indices], rtol=1e-5)
         for row, i in zip(unstack(s.items, SAMPLE), indices):
             assert_tree_equal(row, self.model.items[i])
-        assert s.stamps.dtype == jnp.uint32
-        assert s.stamps.tolist() == [self.model.generations[i] for i in indices]
-        self.samples = [*self.samples[-2:], (indices, np.asarray(s.stamps))]
+        assert s.generations.dtype == jnp.uint32
+        assert s.generations.tolist() == [self.model.generations[i] for i in indices]
+        self.samples = [*self.samples[-2:], (indices, np.asarray(s.generations))]
 
     @precondition(lambda self: self.samples)
     @rule(data=st.data())
     def set_priorities_of_an_earlier_sample(self, data):
         # A learner that updates priorities a few steps after sampling (pipelined or async):
         # the slots written since must keep the priorities of their new items.
-        indices, stamps = data.draw(st.sampled_from(self.samples), label="sample")
+        indices, generations = data.draw(st.sampled_from(self.samples), label="sample")
         priorities = self._priorities(data, SAMPLE)
-        self.replay, stale = _set_stamped(self.replay, indices, priorities, stamps)
-        assert stale.tolist() == self.model.stale(indices, stamps)
-        self.model.set_priorities(indices, priorities, stamps)
+        self.replay, stale = _set_stamped(self.replay, indices, priorities, generations)
+        assert stale.tolist() == self.model.stale(indices, generations)
+        self.model.set_priorities(indices, priorities, generations)
 
     @invariant()
     def same_state(self):
@@ -372,7 +376,7 @@ def test_errors():
     with pytest.raises(RuntimeError, match="cannot sample from an empty PrioritisedReplay"):
         replay.sample(jax.random.key(0), 2)
     replay = replay.add_batch(jnp.zeros(2), jnp.zeros(2))
-    with pytest.raises(RuntimeError, match="priorities are all zero"):
+    with pytest.raises(RuntimeError, match="every stored item has priority 0; none can be drawn"):
         replay.sample(jax.random.key(0), 2)
     with pytest.raises(RuntimeError, match="index out of range"):
         replay.set_priorities(jnp.array([2]), jnp.array([1.0]))  # slot 2 holds nothing yet
@@ -539,42 +543,63 @@ def test_stale_priority_updates_are_dropped_and_counted():
     replay = dx.PrioritisedReplay({"x": jnp.zeros(())}, 4, 1.0)
     replay = replay.add_batch({"x": jnp.arange(4.0)}, _f32([1.0, 1.0, 1.0, 1.0]))
     indices = np.arange(4, dtype=np.int32)
-    stamps = replay.generations[indices]
+    generations = replay.generations[indices]
     replay = replay.add_batch({"x": jnp.asarray([10.0, 11.0])}, _f32([5.0, 5.0]))
     update = _f32([0.25, 0.5, 2.0, 3.0])
-    stale = replay.stale(indices, stamps)
+    stale = replay.stale(indices, generations)
     assert stale.tolist() == [True, True, False, False] and int(jnp.sum(stale)) == 2
-    kept = replay.set_priorities(indices, update, stamps=stamps)
+    kept = replay.set_priorities(indices, update, generations=generations)
     assert kept.tree.leaves.tolist() == [5.0, 5.0, 2.0, 3.0]
-    # Without stamps the update would hit the new items: what the stamps prevent.
+    # Without generations the update would hit the new items: what the generations prevent.
     assert replay.set_priorities(indices, update).tree.leaves.tolist() == update.tolist()
     # A batch that writes a slot twice counts once; a masked-out item writes nothing.
     gens = replay.add_batch({"x": jnp.arange(6.0)}, mask=np.asarray([1, 1, 1, 1, 1, 0], bool))
     assert (gens.generations - replay.generations).tolist() == [1, 1, 1, 1]
     # Stale entries are still checked.
     with pytest.raises(RuntimeError, match="priorities must be finite"):
-        replay.set_priorities(indices, _f32([np.nan, 1, 1, 1]), stamps=stamps)
+        replay.set_priorities(indices, _f32([np.nan, 1, 1, 1]), generations=generations)
     with pytest.raises(RuntimeError, match="index out of range"):
-        replay.set_priorities(np.asarray([4], np.int32), _f32([1.0]), stamps=stamps[:1])
+        replay.set_priorities(np.asarray([4], np.int32), _f32([1.0]), generations=generations[:1])
     with pytest.raises(RuntimeError, match="index out of range"):
-        replay.stale(np.asarray([4], np.int32), stamps[:1])
+        replay.stale(np.asarray([4], np.int32), generations[:1])
 
 
-def test_stamps_must_be_what_sample_returned():
+def test_generations_must_be_what_sample_returned():
     replay = dx.PrioritisedReplay({"x": jnp.zeros(())}, 4).add({"x": jnp.ones(())})
     s = replay.sample(jax.random.key(0), 3)
-    assert s.stamps.dtype == jnp.uint32 and s.stamps.tolist() == [1, 1, 1]
+    assert s.generations.dtype == jnp.uint32 and s.generations.tolist() == [1, 1, 1]
     for bad, error, match in [
-        (np.asarray(s.stamps, np.int32), TypeError, "dtype int32, expected uint32"),
-        (s.stamps[:2], ValueError, r"shape \(2,\), expected \(3,\)"),
+        (np.asarray(s.generations, np.int32), TypeError, "dtype int32, expected uint32"),
+        (s.generations[:2], ValueError, r"shape \(2,\), expected \(3,\)"),
         ([1, 1, 1], TypeError, "must be the uint32 array a sample returned"),
     ]:
         for call in (
-            lambda: replay.set_priorities(s.indices, _f32([1, 1, 1]), stamps=bad),
+            lambda: replay.set_priorities(s.indices, _f32([1, 1, 1]), generations=bad),
             lambda: replay.stale(s.indices, bad),
         ):
-            with pytest.raises((error, Exception), match=f"{match}|parameter 'stamps'"):
+            with pytest.raises((error, Exception), match=f"{match}|parameter 'generations'"):
                 call()
+
+
+def test_deprecated_stamps_still_work_with_a_warning():
+    # `PrioritisedSample.stamps` and `set_priorities(stamps=...)`: the old names of
+    # `generations`, for one release.
+    replay = dx.PrioritisedReplay({"x": jnp.zeros(())}, 4, 1.0)
+    replay = replay.add_batch({"x": jnp.arange(4.0)}, _f32([1.0, 1.0, 1.0, 1.0]))
+    s = replay.sample(jax.random.key(0), 4)
+    with pytest.warns(DeprecationWarning, match=r"`PrioritisedSample.stamps` is deprecated"):
+        stamps = s.stamps
+    assert stamps.dtype == jnp.uint32 and stamps.tolist() == s.generations.tolist()
+    replay = replay.add({"x": jnp.asarray(10.0)}, 5.0)  # slot 0 rewritten
+    update = _f32([2.0, 2.0, 2.0, 2.0])
+    indices = np.arange(4, dtype=np.int32)
+    generations = replay.generations.at[0].add(-1)  # slot 0 as sampled before the add
+    want = replay.set_priorities(indices, update, generations=generations)
+    with pytest.warns(DeprecationWarning, match=r"set_priorities\(stamps=...\)` is deprecated"):
+        old = replay.set_priorities(indices, update, stamps=generations)
+    assert old.tree.leaves.tolist() == want.tree.leaves.tolist() == [5.0, 2.0, 2.0, 2.0]
+    with pytest.raises(TypeError, match="pass `generations` only"):
+        replay.set_priorities(indices, update, generations=generations, stamps=generations)
 
 
 def test_sequence_priorities_match_a_loop():

@@ -33,16 +33,9 @@ PRIORITIES = [0.0, 0.5, 1.0, 3.0]
 
 def _make(config, **kwargs):
     num_envs, max_length, burn_in, length, bootstrap, period = config
+    window = dx.Window(length, burn_in=burn_in, bootstrap=bootstrap, period=period, strict=True)
     buf = dx.PrioritisedTrajectoryBuffer(
-        PROTOTYPE,
-        num_envs,
-        max_length,
-        length,
-        burn_in=burn_in,
-        bootstrap=bootstrap,
-        period=period,
-        priority_exponent=ALPHA,
-        **kwargs,
+        PROTOTYPE, num_envs, max_length, window, priority_exponent=ALPHA, **kwargs
     )
     model = RefPrioritisedTrajectory(
         num_envs, max_length, burn_in + length + bootstrap, period, ALPHA
@@ -65,10 +58,10 @@ _set = eqx.filter_jit(lambda b, e, s, p: (b.set_priorities(e, s, p), b.stale(e, 
 
 
 def _leaf_masses(buf, model) -> np.ndarray:
-    k = buf.slots_per_env
+    k = buf.leaves_per_env
     want = np.zeros(buf.tree.capacity)
     for env, start in model.priorities:
-        want[env * k + (start // buf.period) % k] = model.mass((env, start))
+        want[env * k + (start // buf.window.period) % k] = model.mass((env, start))
     return want
 
 
@@ -82,7 +75,7 @@ class PrioritisedTrajectoryMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def add(self, data):
-        n = self.buf.trajectories.num_envs
+        n = self.buf.num_envs
         env_ids = data.draw(st.lists(st.integers(0, n - 1), unique=True, min_size=1))
         steps = _steps(self.model, env_ids)
         self.buf = _add(self.buf, steps, np.asarray(env_ids, np.int32))
@@ -90,7 +83,7 @@ class PrioritisedTrajectoryMachine(RuleBasedStateMachine):
 
     @rule(times=st.sampled_from([1, 7]))
     def add_all(self, times):
-        n = self.buf.trajectories.num_envs
+        n = self.buf.num_envs
         for _ in range(times):  # 7 lock-step adds wrap every stream
             steps = _steps(self.model, list(range(n)))
             self.buf = _add_all(self.buf, steps)
@@ -101,7 +94,7 @@ class PrioritisedTrajectoryMachine(RuleBasedStateMachine):
         # `length` steps for every env in one call (lock-step, as flashbax adds); 9 wraps every
         # stream of every config. Partial `env_ids` go through the same code as in `add` and
         # are covered by the registry (tests/registry.py).
-        env_ids = list(range(self.buf.trajectories.num_envs))
+        env_ids = list(range(self.buf.num_envs))
         steps = []
         for _ in range(length):
             steps.append(_steps(self.model, env_ids))
@@ -219,24 +212,145 @@ def test_errors():
     with pytest.raises(RuntimeError, match="no window is admissible yet"):
         buf.sample(key, 4)
     with pytest.raises(ValueError, match="longer than max_length mod period = 2 steps"):
-        dx.PrioritisedTrajectoryBuffer(PROTOTYPE, 2, 6, 2, period=4)
+        dx.PrioritisedTrajectoryBuffer(PROTOTYPE, 2, 6, dx.Window(2, period=4, strict=True))
     with pytest.raises(ValueError, match="must be at most max_length = 6, got 8"):
-        dx.PrioritisedTrajectoryBuffer(PROTOTYPE, 2, 6, 2, period=8)
+        dx.PrioritisedTrajectoryBuffer(PROTOTYPE, 2, 6, dx.Window(2, period=8, strict=True))
     with pytest.raises(ValueError, match="longer than max_length"):
-        dx.PrioritisedTrajectoryBuffer(PROTOTYPE, 2, 6, 5, burn_in=2)
+        dx.PrioritisedTrajectoryBuffer(PROTOTYPE, 2, 6, dx.Window(5, burn_in=2, strict=True))
     for _ in range(4):
         buf = buf.add(_steps(model, [0, 1, 2]))
         model.add(unstack(_steps(model, [0, 1, 2]), 3), [0, 1, 2])
     ids = np.asarray([0, 1], np.int32)
-    for starts in ([1, 0], [-2, 0], [2, 0], [0, 4]):  # off period, negative, not yet stored
-        with pytest.raises(RuntimeError, match="a stamp this buffer cannot have given"):
+    not_taken = "a start is not a step of its env"
+    not_given = "a stamp this buffer cannot have given: its start is not on a multiple of period"
+    for starts, match in [
+        ([1, 0], not_given),  # off period
+        ([-2, 0], not_taken),  # negative
+        ([2, 0], not_given),  # taken, but its window not yet stored
+        ([0, 4], not_taken),  # not yet taken
+    ]:
+        with pytest.raises(RuntimeError, match=match):
             buf.set_priorities(ids, np.asarray(starts, np.int32), jnp.ones(2))
         with pytest.raises(StampError):
             model.set_priorities(ids.tolist(), starts, [1.0, 1.0])
+    with pytest.raises(RuntimeError, match="an env id is out of range"):
+        buf.set_priorities(np.asarray([0, 3], np.int32), np.zeros(2, np.int32), jnp.ones(2))
+    # `stale` answers for any step its env has taken, window start or not (as
+    # `TrajectoryBuffer.stale`), and refuses only the others.
+    assert buf.stale(ids, np.asarray([1, 2], np.int32)).tolist() == [False, False]
+    for starts in ([-2, 0], [0, 4]):
+        with pytest.raises(RuntimeError, match=not_taken):
+            buf.stale(ids, np.asarray(starts, np.int32))
+    with pytest.raises(RuntimeError, match="an env id is out of range"):
+        buf.stale(np.asarray([0, 3], np.int32), np.zeros(2, np.int32))
     with pytest.raises(RuntimeError, match="priorities must be finite and non-negative"):
         buf.set_priorities(ids, np.asarray([0, 0], np.int32), jnp.asarray([1.0, jnp.nan]))
     with pytest.raises(BadPriorityError):
         model.set_priorities(ids.tolist(), [0, 0], [1.0, float("nan")])
     zero = buf.set_priorities(np.asarray([0, 1, 2], np.int32), np.zeros(3, np.int32), jnp.zeros(3))
-    with pytest.raises(RuntimeError, match="every admissible window has priority 0"):
+    with pytest.raises(RuntimeError, match="every stored window has priority 0; none can be drawn"):
         zero.sample(key, 4)
+    # A bad `beta` is reported under the name of the call.
+    with pytest.raises(ValueError, match=r"`PrioritisedTrajectoryBuffer.sample\(beta=...\)`"):
+        buf.sample(key, 4, beta=-1.0)
+    with pytest.raises(
+        RuntimeError, match="`PrioritisedTrajectoryBuffer.sample`: `beta` must be finite"
+    ):
+        buf.sample(key, 4, beta=jnp.asarray(jnp.nan))
+
+
+def test_stamp_of_gives_the_stamps_of_drawn_leaves():
+    buf, _ = _filled(CONFIGS[2], np.random.default_rng(4))
+    out = buf.sample(jax.random.key(5), 32)
+    env, start = eqx.filter_jit(lambda b, i: b.stamp_of(i))(buf, out.indices)
+    assert env.tolist() == out.sample.env.tolist()
+    assert start.tolist() == out.sample.start.tolist()
+    capacity = buf.tree.capacity
+    with pytest.raises(RuntimeError, match="an index is not a sum-tree leaf"):
+        buf.stamp_of(np.asarray([0, capacity], np.int32))
+
+
+def test_window_masses_round_trip():
+    buf, model = _filled(CONFIGS[0], np.random.default_rng(6))
+    masses = buf.window_masses()
+    shape = (buf.num_envs, buf.leaves_per_env)
+    assert masses.start.shape == masses.held.shape == masses.mass.shape == shape
+    np.testing.assert_array_equal(np.asarray(masses.mass).reshape(-1), buf.tree.leaves)
+    held = np.asarray(masses.held)
+    stamps = {(e, int(masses.start[e, j])) for e, j in zip(*np.nonzero(held))}
+    assert stamps == set(model.priorities)
+    for e, s in stamps:
+        assert float(masses.mass[e, s // buf.window.period % buf.leaves_per_env]) == (
+            pytest.approx(model.mass((e, s)), rel=1e-6)
+        )
+    # Onto a buffer of the same steps at fresh priorities: the masses and max_priority come
+    # back, and with them the same draws. Leaves that hold no window ignore their mass.
+    fresh = buf.with_streams(buf.streams)
+    garbage = jnp.where(masses.held, masses.mass, 7.0)
+    back = fresh.with_window_masses(garbage, max_priority=buf.max_priority)
+    np.testing.assert_array_equal(back.tree.leaves, buf.tree.leaves)
+    np.testing.assert_array_equal(back.tree.total, buf.tree.total)
+    assert float(back.max_priority) == float(buf.max_priority)
+    a, b = back.sample(jax.random.key(7), 16), buf.sample(jax.random.key(7), 16)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(x, y)
+    with pytest.raises(ValueError, match=r"`masses` has shape \(3, 2\), expected"):
+        fresh.with_window_masses(np.ones((3, 2), np.float32))
+    with pytest.raises(RuntimeError, match="masses must be finite and non-negative"):
+        fresh.with_window_masses(jnp.where(masses.held, -1.0, 0.0))
+    with pytest.raises(RuntimeError, match="`max_priority` must be finite and at least 1"):
+        fresh.with_window_masses(masses.mass, max_priority=0.5)
+
+
+def test_with_streams_keeps_the_steps_at_fresh_priorities():
+    buf, model = _filled(CONFIGS[2], np.random.default_rng(8))
+    (env, start), *_ = sorted(model.priorities)
+    buf = buf.set_priorities(
+        np.asarray([env], np.int32), np.asarray([start], np.int32), jnp.ones(1) * 4
+    )
+    assert float(buf.max_priority) == 4.0  # the filled buffer has priorities of its own
+    fresh = buf.with_streams(buf.streams)
+    for x, y in zip(jax.tree.leaves(fresh.streams), jax.tree.leaves(buf.streams)):
+        np.testing.assert_array_equal(x, y)
+    assert fresh.window == buf.window and fresh.priority_exponent == buf.priority_exponent
+    # Every window it holds at max_priority 1.0 (mass 1.0 ** alpha), no other leaf.
+    assert float(fresh.max_priority) == 1.0
+    held = np.asarray(fresh.window_masses().held).reshape(-1)
+    assert int(held.sum()) == int(fresh.num_windows) == len(model.priorities)
+    np.testing.assert_array_equal(fresh.tree.leaves, np.where(held, 1.0, 0.0))
+    with pytest.raises(ValueError, match="the streams have"):
+        buf.with_streams(dx.Streams(PROTOTYPE, 3, 7))
+
+
+DONE_STEP = {"pos": jnp.zeros((), jnp.int32), "done": jnp.zeros((), jnp.bool_)}
+
+
+def test_deprecated_forms_still_work_with_a_warning():
+    # The constructor's window arguments, `sample(episode_ends=..., done=...)` and
+    # `slots_per_env`: the old forms, for one release.
+    parts = dict(burn_in=1, bootstrap=1, period=2)
+    with pytest.warns(DeprecationWarning, match="window options as keywords is deprecated"):
+        old = dx.PrioritisedTrajectoryBuffer(DONE_STEP, 2, 8, 2, **parts)
+    new = dx.PrioritisedTrajectoryBuffer(DONE_STEP, 2, 8, dx.Window(2, **parts, strict=True))
+    assert old.window == new.window and old.window.size == 4 and old.window.strict
+    truncate = dx.Window(2, **parts, strict=True, episode_ends="truncate", done="done")
+    masked = dx.PrioritisedTrajectoryBuffer(DONE_STEP, 2, 8, truncate)
+    steps = {
+        "pos": np.broadcast_to(np.arange(10, dtype=np.int32), (2, 10)),
+        "done": np.broadcast_to(np.arange(10) % 3 == 2, (2, 10)),
+    }
+    old, masked = old.extend(steps), masked.extend(steps)
+    key = jax.random.key(0)
+    with pytest.warns(DeprecationWarning, match="`episode_ends` and `done` are deprecated here"):
+        a = old.sample(key, 8, episode_ends="truncate", done="done")
+    b = masked.sample(key, 8)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(x, y)
+    assert not bool(jnp.all(b.sample.mask))  # the episode ends did cut windows
+    with pytest.warns(DeprecationWarning, match="slots_per_env` is deprecated"):
+        slots = old.slots_per_env
+    assert slots == old.leaves_per_env == 4
+    # The window's parts, once fields of the buffer.
+    for name, value in [("sequence_length", 2), ("burn_in", 1), ("bootstrap", 1), ("period", 2)]:
+        with pytest.warns(DeprecationWarning, match=f"{name}` is deprecated; read `window"):
+            assert getattr(old, name) == value == getattr(old.window, name)

@@ -47,14 +47,19 @@ def _peek(buf, env_ids):
     return buf.peek(env_ids)
 
 
-@eqx.filter_jit
-def _sample(buf, key, sequence_length, power, source):
-    return buf.sample(key, BATCH, sequence_length, distribution_power=power, source=source)
+# The plain windows the state machine samples with, one per sequence length (min(2, m) and m
+# over the configurations' max_length m), built once so that compiled samplers are reused.
+PLAIN_WINDOWS = {t: dx.Window(t) for t in (1, 2, 3, 5)}
 
 
 @eqx.filter_jit
-def _sample_mixed(buf, key, sequence_length, power):
-    return buf.sample_mixed(key, 5, 3, sequence_length, power)
+def _sample(buf, key, window, power, source):
+    return buf.sample(key, BATCH, window, distribution_power=power, source=source)
+
+
+@eqx.filter_jit
+def _sample_mixed(buf, key, window, power):
+    return buf.sample_mixed(key, 5, 3, window, power)
 
 
 def _episode_end(step):
@@ -63,7 +68,7 @@ def _episode_end(step):
 
 # Window options the state machine samples with (sequence_length 1 or 2; static, so each
 # compiles once per configuration): burn-in, bootstrap, period, strict, the episode-end
-# policies.
+# policies. Each comes with its source and its `Window`, built once.
 WINDOW_OPTIONS = [
     dict(sequence_length=1, burn_in=1, bootstrap=1, period=2, source="replay"),
     dict(
@@ -76,18 +81,24 @@ WINDOW_OPTIONS = [
     ),
     dict(sequence_length=1, burn_in=2, episode_ends="within", done=(_episode_end,)),
 ]
+WINDOW_CASES = [
+    (options, dx.Window(**{k: v for k, v in options.items() if k != "source"}))
+    for options in WINDOW_OPTIONS
+]
 
 
 @eqx.filter_jit
-def _sample_windows(buf, key, power, options):
-    return buf.sample(key, BATCH, distribution_power=power, **dict(options))
+def _sample_windows(buf, key, power, window, source):
+    return buf.sample(key, BATCH, window, distribution_power=power, source=source)
+
+
+# The n-step descriptions the state machine samples with, built once.
+NSTEPS = {n: dx.NStep(n, reward="reward", terminated=_episode_end) for n in (1, 2)}
 
 
 @eqx.filter_jit
 def _sample_transitions(buf, key, n, source):
-    return buf.sample_transitions(
-        key, BATCH, n, discount=0.5, reward="reward", terminated=_episode_end, source=source
-    )
+    return buf.sample_transitions(key, BATCH, NSTEPS[n], discount=0.5, source=source)
 
 
 def stored_windows(buf: dx.TrajectoryBuffer, source: str = "replay") -> list:
@@ -227,7 +238,7 @@ class TrajectoryMachine(RuleBasedStateMachine):
         m = self.buf.max_length
         t = data.draw(st.sampled_from(sorted({min(2, m), m})), label="sequence_length")
         self.key, key = jax.random.split(self.key)
-        args = (self.buf, key, t, jnp.asarray(power, jnp.float32), source)
+        args = (self.buf, key, PLAIN_WINDOWS[t], jnp.asarray(power, jnp.float32), source)
         if self.model.lengths(source).sum() == 0:
             with pytest.raises(RuntimeError, match="cannot sample from an empty"):
                 _sample(*args)
@@ -240,21 +251,22 @@ class TrajectoryMachine(RuleBasedStateMachine):
         self.key, key = jax.random.split(self.key)
         if 0 in (self.model.lengths("replay").sum(), self.model.lengths("online").sum()):
             with pytest.raises(RuntimeError, match="cannot sample from an empty"):
-                _sample_mixed(self.buf, key, t, jnp.asarray(power, jnp.float32))
+                _sample_mixed(self.buf, key, PLAIN_WINDOWS[t], jnp.asarray(power, jnp.float32))
             return
-        sample = _sample_mixed(self.buf, key, t, jnp.asarray(power, jnp.float32))
+        sample = _sample_mixed(self.buf, key, PLAIN_WINDOWS[t], jnp.asarray(power, jnp.float32))
         # Replay rows first, then online rows.
         check_sequences(jax.tree.map(lambda x: x[:5], sample), self.model, t, "replay", self.labels)
         check_sequences(jax.tree.map(lambda x: x[5:], sample), self.model, t, "online", self.labels)
 
     # Each option set comes with its source (static too), to keep compilations few.
-    @rule(options=st.sampled_from(WINDOW_OPTIONS), power=st.sampled_from([0.0, 1.0]))
-    def sample_windows(self, options, power):
+    @rule(case=st.sampled_from(WINDOW_CASES), power=st.sampled_from([0.0, 1.0]))
+    def sample_windows(self, case, power):
+        options, window = case
         source = options.get("source", "replay")
         burn_in, length = options.get("burn_in", 0), options["sequence_length"]
         size = burn_in + length + options.get("bootstrap", 0)
         self.key, key = jax.random.split(self.key)
-        args = (self.buf, key, jnp.asarray(power, jnp.float32), tuple(options.items()))
+        args = (self.buf, key, jnp.asarray(power, jnp.float32), window, source)
         if size > self.buf.max_length:
             with pytest.raises(ValueError, match="is longer than max_length"):
                 _sample_windows(*args)
@@ -381,9 +393,12 @@ def stats_buffer():
     return buf, model, added
 
 
+# The windows the statistics sample with, one per sequence length, built once.
+STATS_WINDOWS = {t: dx.Window(t) for t in (1, 5, 12)}
+
 _sample_stats = eqx.filter_jit(
     lambda b, key, t, power, source: b.sample(
-        key, STATS_DRAWS, t, distribution_power=power, source=source
+        key, STATS_DRAWS, STATS_WINDOWS[t], distribution_power=power, source=source
     )
 )
 
@@ -444,7 +459,7 @@ def test_frequency_test_detects_a_wrong_power(stats_buffer):
 def test_sample_mixed_rows_follow_their_sources(stats_buffer):
     buf, model, added = stats_buffer
     n = STATS_DRAWS // 2
-    seqs, mask, *_ = eqx.filter_jit(lambda b, k: b.sample_mixed(k, n, n, 5, 2.0))(
+    seqs, mask, *_ = eqx.filter_jit(lambda b, k: b.sample_mixed(k, n, n, STATS_WINDOWS[5], 2.0))(
         buf, jax.random.key(3)
     )
     for source, rows in [("replay", slice(0, n)), ("online", slice(n, 2 * n))]:
@@ -496,6 +511,8 @@ def test_extreme_powers_neither_overflow_nor_underflow(short_windows, source):
 # Errors: static facts at trace time, faults in the data through eqx.error_if.
 
 STEP = {"obs": jnp.zeros(3, jnp.float32), "done": jnp.zeros((), jnp.bool_)}
+# Windows of 2 and 3 steps, built once.
+TWO, THREE = dx.Window(2), dx.Window(3)
 
 
 def _steps(n, value=1.0):
@@ -572,26 +589,26 @@ def test_sample_static_errors():
     buf = dx.TrajectoryBuffer(STEP, 2, 4).add(_steps(2))
     key = jax.random.key(0)
     with pytest.raises(ValueError, match=r"sample\(batch_size=...\)` must be positive"):
-        buf.sample(key, 0, 2)
+        buf.sample(key, 0, TWO)
     with pytest.raises(ValueError, match=r"= 0 \+ 5 \+ 0 = 5 steps is longer than max_length = 4"):
-        buf.sample(key, 3, 5)
-    with pytest.raises(ValueError, match=r"sequence_length=...\)` must be positive"):
-        buf.sample(key, 3, 0)
+        buf.sample(key, 3, dx.Window(5))
+    with pytest.raises(ValueError, match=r"`Window\(sequence_length=...\)` must be positive"):
+        dx.Window(0)
     with pytest.raises(Exception, match="must be one of 'replay', 'online'|parameter 'source'"):
-        buf.sample(key, 3, 2, source="both")  # pyright: ignore[reportArgumentType]
+        buf.sample(key, 3, TWO, source="both")  # pyright: ignore[reportArgumentType]
     with pytest.raises(Exception, match="must be a scalar|parameter 'distribution_power'"):
-        buf.sample(key, 3, 2, distribution_power=jnp.ones(2))
+        buf.sample(key, 3, TWO, distribution_power=jnp.ones(2))
     with pytest.raises(ValueError, match="both 0"):
-        buf.sample_mixed(key, 0, 0, 2)
+        buf.sample_mixed(key, 0, 0, TWO)
     with pytest.raises(ValueError, match=r"online_batch_size=...\)` must be non-negative"):
-        buf.sample_mixed(key, 2, -1, 2)
+        buf.sample_mixed(key, 2, -1, TWO)
     with pytest.raises(Exception, match="must be one of|parameter 'source'"):
         buf.lengths("all")  # pyright: ignore[reportArgumentType]
 
 
 def test_sample_runtime_errors():
-    sample = eqx.filter_jit(lambda b, k, p, s: b.sample(k, 3, 2, distribution_power=p, source=s))
-    mixed = eqx.filter_jit(lambda b, k, r, o: b.sample_mixed(k, r, o, 2))
+    sample = eqx.filter_jit(lambda b, k, p, s: b.sample(k, 3, TWO, distribution_power=p, source=s))
+    mixed = eqx.filter_jit(lambda b, k, r, o: b.sample_mixed(k, r, o, TWO))
     key = jax.random.key(0)
     empty = dx.TrajectoryBuffer(STEP, 2, 4)
     with pytest.raises(RuntimeError, match="empty TrajectoryBuffer: no env has any stored step"):
@@ -615,7 +632,7 @@ def test_sample_runtime_errors():
 def test_runtime_errors_outside_jit():
     empty = dx.TrajectoryBuffer(STEP, 2, 4)
     with pytest.raises(RuntimeError, match="empty TrajectoryBuffer"):
-        empty.sample(jax.random.key(0), 3, 2)
+        empty.sample(jax.random.key(0), 3, TWO)
     with pytest.raises(RuntimeError, match="no stored step yet"):
         empty.peek(_ids(0))
 
@@ -643,7 +660,7 @@ def test_power_accepts_python_numbers_and_arrays():
     buf = _add_all(dx.TrajectoryBuffer(STEP, 2, 4), _steps(2))
     key = jax.random.key(0)
     # Python and NumPy numbers are static arguments of filter_jit: they reach `sample` as is.
-    sample = eqx.filter_jit(lambda b, k, p: b.sample(k, 5, 3, distribution_power=p))
+    sample = eqx.filter_jit(lambda b, k, p: b.sample(k, 5, THREE, distribution_power=p))
     expected = sample(buf, key, jnp.asarray(2.0))
     for power in [2, np.float64(2.0)]:
         assert_tree_equal(sample(buf, key, power), expected)
@@ -667,7 +684,8 @@ def test_sample_shapes_dtypes_and_zero_fill():
     buf = dx.TrajectoryBuffer(spec, 2, 6)
     items = random_batch(spec, 1, np.random.default_rng(0))
     buf = _add(buf, items, _ids(1))  # one step: every sequence is 1 real + 3 zero steps
-    seqs, mask, *_ = eqx.filter_jit(lambda b, k: b.sample(k, 7, 4))(buf, jax.random.key(0))
+    four = dx.Window(4)
+    seqs, mask, *_ = eqx.filter_jit(lambda b, k: b.sample(k, 7, four))(buf, jax.random.key(0))
     assert jax.tree.map(lambda x: (x.shape, x.dtype), seqs) == jax.tree.map(
         lambda s: ((7, 4, *s.shape), s.dtype), spec
     )
@@ -690,7 +708,7 @@ def _async_inputs(i, n=2, num_envs=4):
 def test_vmap_errors():
     bufs = eqx.filter_vmap(lambda p: dx.TrajectoryBuffer(p, 2, 3), in_axes=None, axis_size=2)(STEP)
     keys = jax.random.split(jax.random.key(0), 2)
-    sample = eqx.filter_jit(eqx.filter_vmap(lambda b, k: b.sample(k, 3, 2)))
+    sample = eqx.filter_jit(eqx.filter_vmap(lambda b, k: b.sample(k, 3, TWO)))
     add = eqx.filter_jit(eqx.filter_vmap(lambda b, x, i: b.add(x, env_ids=i)))
     with pytest.raises(RuntimeError, match="cannot sample from an empty TrajectoryBuffer"):
         sample(bufs, keys)
@@ -700,6 +718,109 @@ def test_vmap_errors():
         add(bufs, items, jnp.asarray([[0, 1], [1, 1]], jnp.int32))
     # Only the first buffer stays empty: sampling still fails.
     bufs = add(bufs, items, jnp.asarray([[0, 1], [1, 0]], jnp.int32))
-    bufs = eqx.tree_at(lambda b: b.replay_length, bufs, bufs.replay_length.at[0].set(0))
+    bufs = eqx.tree_at(lambda b: b.streams.lengths, bufs, bufs.streams.lengths.at[0].set(0))
     with pytest.raises(RuntimeError, match="cannot sample from an empty TrajectoryBuffer"):
         sample(bufs, keys)
+
+
+# Re-reading windows by their stamps, and buffers around given streams.
+
+# A window with every part and an episode-end policy, built once.
+READ_WINDOW = dx.Window(2, burn_in=1, bootstrap=1, episode_ends="within", done=_episode_end)
+_sample_mixed_read = eqx.filter_jit(lambda b, k: b.sample_mixed(k, 8, 8, READ_WINDOW))
+_read = eqx.filter_jit(lambda b, e, s: b.read(e, s, READ_WINDOW))
+
+
+def _bits(tree):
+    """The structure, and each leaf's shape, dtype and bytes: equal only when bit for bit."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, [(x.shape, x.dtype, x.tobytes()) for x in map(np.asarray, leaves)]
+
+
+def _filled(rng, adds):
+    """A buffer of SPEC, 3 envs of 6 steps, after `adds` adds of two envs each (env 0 wraps)."""
+    buf = dx.TrajectoryBuffer(SPEC, 3, 6)
+    for i in range(adds):
+        buf = _add(buf, random_batch(SPEC, 2, rng), _ids(0, 1 + i % 2))
+        if i == 5:
+            buf = _reset(buf)
+    return buf
+
+
+def test_read_returns_what_sample_returned():
+    rng = np.random.default_rng(2)
+    buf = _filled(rng, 10)
+    sample = _sample_mixed_read(buf, jax.random.key(0))
+    assert _bits(_read(buf, *sample.stamp)) == _bits(sample)
+    # Steps added since: the windows whose first step was overwritten are refused.
+    for _ in range(4):
+        buf = _add(buf, random_batch(SPEC, 2, rng), _ids(0, 2))
+    stale = np.asarray(buf.stale(*sample.stamp))
+    assert stale.any() and not stale.all()
+    with pytest.raises(RuntimeError, match="TrajectoryBuffer.read`: a window is stale"):
+        _read(buf, *sample.stamp)
+
+
+def test_with_streams_keeps_the_steps_and_empties_the_online_queue():
+    buf = _filled(np.random.default_rng(3), 8)
+    assert buf.lengths("online").tolist() == [2, 1, 1]
+    new = buf.with_streams(buf.streams)
+    assert _bits(new.streams) == _bits(buf.streams)
+    assert new.lengths().tolist() == buf.lengths().tolist() == [6, 4, 4]
+    assert new.lengths("online").tolist() == [0, 0, 0]
+    key = jax.random.key(1)
+    assert _bits(_sample(new, key, TWO, 1.0, "replay")) == _bits(
+        _sample(buf, key, TWO, 1.0, "replay")
+    )
+    with pytest.raises(RuntimeError, match="empty online queue"):
+        _sample(new, key, TWO, 1.0, "online")
+    with pytest.raises(ValueError, match="the streams have"):
+        dx.TrajectoryBuffer(SPEC, 3, 5).with_streams(buf.streams)
+
+
+# The old forms: deprecated, they still work, with a DeprecationWarning.
+
+
+def _three_steps():
+    buf = dx.TrajectoryBuffer(STEP, 2, 4)
+    for i in range(3):
+        buf = _add_all(buf, _steps(2, float(i)))
+    return buf
+
+
+def test_sample_old_form_is_deprecated():
+    buf = _three_steps()
+    key = jax.random.key(0)
+    window = dx.Window(2, burn_in=1, period=2)
+    with pytest.warns(DeprecationWarning, match=r"pass `dx.Window\(2, ...\)`"):
+        old = buf.sample(key, 3, 2, burn_in=1, period=2)
+    assert _bits(old) == _bits(buf.sample(key, 3, window))
+    with pytest.warns(DeprecationWarning, match=r"pass `dx.Window\(2, ...\)`"):
+        old = buf.sample_mixed(key, 2, 1, 2, 1.0, burn_in=1, period=2)
+    assert _bits(old) == _bits(buf.sample_mixed(key, 2, 1, window, 1.0))
+    # With a `Window`, its options go into it.
+    with pytest.raises(TypeError, match="are options of the `Window`"):
+        buf.sample(key, 3, window, burn_in=1)
+
+
+def test_sample_transitions_old_form_is_deprecated():
+    buf = dx.TrajectoryBuffer({"reward": jnp.zeros(()), "done": jnp.zeros((), jnp.bool_)}, 2, 4)
+    rewards = jnp.arange(6, dtype=jnp.float32).reshape(2, 3)
+    buf = buf.extend({"reward": rewards, "done": jnp.asarray([[0, 1, 0], [0, 0, 0]], bool)})
+    key = jax.random.key(0)
+    nstep = dx.NStep(2, reward="reward", terminated="done")
+    with pytest.warns(DeprecationWarning, match=r"pass `dx.NStep\(2, "):
+        old = buf.sample_transitions(key, 3, 2, discount=0.5, reward="reward", terminated="done")
+    assert _bits(old) == _bits(buf.sample_transitions(key, 3, nstep, discount=0.5))
+    with pytest.raises(TypeError, match="are options of the `NStep`"):
+        buf.sample_transitions(key, 3, nstep, discount=0.5, terminated="done")
+
+
+def test_overwritten_is_deprecated():
+    buf = dx.TrajectoryBuffer(STEP, 2, 2)
+    for i in range(3):
+        buf = _add(buf, _steps(1, float(i)), _ids(0))
+    env, start = _ids(0, 0), _ids(0, 2)
+    with pytest.warns(DeprecationWarning, match="use `stale`"):
+        got = buf.overwritten(env, start)
+    assert got.tolist() == buf.stale(env, start).tolist() == [True, False]

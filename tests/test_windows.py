@@ -85,12 +85,9 @@ CASES = {
 }
 
 
-@eqx.filter_jit
-def _sample(buf, key, power, case):
-    burn_in, length, bootstrap, period, strict, ends, done, _, source = case
-    return buf.sample(
-        key,
-        DRAWS,
+def _window(case):
+    burn_in, length, bootstrap, period, strict, ends, done, _, _ = case
+    return dx.Window(
         length,
         burn_in=burn_in,
         bootstrap=bootstrap,
@@ -98,9 +95,17 @@ def _sample(buf, key, power, case):
         strict=strict,
         episode_ends=ends,
         done=done,
-        distribution_power=power,
-        source=source,
     )
+
+
+# The `Window` of each case, built once.
+WINDOWS = {case: _window(case) for case in CASES.values()}
+
+
+@eqx.filter_jit
+def _sample(buf, key, power, case):
+    source = case[8]
+    return buf.sample(key, DRAWS, WINDOWS[case], distribution_power=power, source=source)
 
 
 def _is_end(done):
@@ -232,11 +237,16 @@ def ended_streams():
     return buf, model
 
 
+# The `NStep` of each case, built once.
+NSTEPS = {
+    (n, truncated): dx.NStep(n, reward="reward", terminated="terminated", truncated=truncated)
+    for n, truncated in [(n, "truncated") for n in N_STEPS] + [(3, None)]
+}
+
+
 @eqx.filter_jit
 def _transitions(buf, key, gamma, n, truncated):
-    return buf.sample_transitions(
-        key, 4096, n, discount=gamma, reward="reward", terminated="terminated", truncated=truncated
-    )
+    return buf.sample_transitions(key, 4096, NSTEPS[n, truncated], discount=gamma)
 
 
 @pytest.mark.parametrize("n, truncated", [(n, "truncated") for n in N_STEPS] + [(3, None)], ids=str)
@@ -285,16 +295,16 @@ def test_transition_checks_detect_wrong_ends(ended_streams):
     assert not np.allclose(discount, wrong)
 
 
-_overwritten = eqx.filter_jit(lambda b, e, s: b.overwritten(e, s))
+_stale = eqx.filter_jit(lambda b, e, s: b.stale(e, s))
 
 
-def test_overwritten_follows_the_model(streams):
+def test_stale_follows_the_model(streams):
     buf, model = streams
     model = copy.deepcopy(model)
     case = CASES["burn-in+bootstrap"]
     sample = _sample(buf, jax.random.key(4), jnp.asarray(1.0, jnp.float32), case)
     buf = async_adds(buf, model, {1: 2, 2: 6, 3: 3}, np.random.default_rng(4))
-    got = np.asarray(_overwritten(buf, *sample.stamp))
+    got = np.asarray(_stale(buf, *sample.stamp))
     want = [
         s < model.count[e] - len(model.streams[e])
         for e, s in zip(np.asarray(sample.env).tolist(), np.asarray(sample.start).tolist())
@@ -303,13 +313,13 @@ def test_overwritten_follows_the_model(streams):
     # Stamps from elsewhere are refused.
     ids = np.asarray([0, 2], np.int32)
     with pytest.raises(RuntimeError, match="not a step of its env"):
-        _overwritten(buf, ids, np.asarray([0, 1], np.int32))  # env 0 has taken no step
+        _stale(buf, ids, np.asarray([0, 1], np.int32))  # env 0 has taken no step
     with pytest.raises(RuntimeError, match="not a step of its env"):
-        _overwritten(buf, ids[::-1], np.asarray([-1, 0], np.int32))
+        _stale(buf, ids[::-1], np.asarray([-1, 0], np.int32))
     with pytest.raises(RuntimeError, match="out of range"):
-        _overwritten(buf, np.asarray([4, 1], np.int32), np.asarray([0, 0], np.int32))
+        _stale(buf, np.asarray([4, 1], np.int32), np.asarray([0, 0], np.int32))
     with pytest.raises(Exception, match="must match|parameter .starts."):
-        buf.overwritten(ids, np.asarray([0], np.int32))
+        buf.stale(ids, np.asarray([0], np.int32))
 
 
 # Errors: static facts at trace time, faults in the data through eqx.error_if.
@@ -319,43 +329,61 @@ def test_window_static_errors():
     buf = dx.TrajectoryBuffer(PROTOTYPE, 2, 6)
     key = jax.random.key(0)
     sample = buf.sample
+    # Checks that need the buffer are made by the call.
     with pytest.raises(ValueError, match=r"= 2 \+ 4 \+ 1 = 7 steps is longer than max_length = 6"):
-        sample(key, 3, 4, burn_in=2, bootstrap=1)
-    with pytest.raises(ValueError, match=r"sample\(burn_in=...\)` must be non-negative"):
-        sample(key, 3, 2, burn_in=-1)
-    with pytest.raises(ValueError, match=r"sample\(period=...\)` must be positive"):
-        sample(key, 3, 2, period=0)
-    with pytest.raises(Exception, match=r"sample\(strict=...\)` must be a bool|parameter 'strict'"):
-        sample(key, 3, 2, strict=1)  # pyright: ignore[reportArgumentType]
+        sample(key, 3, dx.Window(4, burn_in=2, bootstrap=1))
+    # The options on their own are checked when the `Window` is built.
+    with pytest.raises(ValueError, match=r"`Window\(burn_in=...\)` must be non-negative"):
+        dx.Window(2, burn_in=-1)
+    with pytest.raises(ValueError, match=r"`Window\(period=...\)` must be positive"):
+        dx.Window(2, period=0)
+    with pytest.raises(
+        Exception, match=r"`Window\(strict=...\)` must be a bool|parameter 'strict'"
+    ):
+        dx.Window(2, strict=1)  # pyright: ignore[reportArgumentType]
     with pytest.raises(Exception, match="be one of 'cross', 'truncate', 'within'|'episode_ends'"):
-        sample(key, 3, 2, episode_ends="stop", done="done")  # pyright: ignore[reportArgumentType]
-    with pytest.raises(ValueError, match="does not read it"):
-        sample(key, 3, 2, done="done")
-    with pytest.raises(ValueError, match="needs `done`"):
-        sample(key, 3, 2, episode_ends="truncate")
-    with pytest.raises(ValueError, match="the step has no leaf 'finished'"):
-        sample(key, 3, 2, episode_ends="truncate", done="finished")
-    with pytest.raises(TypeError, match="the leaf 'pos' has dtype int32, expected bool"):
-        sample(key, 3, 2, episode_ends="within", done=("done", "pos"))
-    with pytest.raises(ValueError, match="must pick one leaf of the step as it is stored"):
-        sample(key, 3, 2, episode_ends="within", done=lambda s: s["done"] & s["truncated"])
-    with pytest.raises(ValueError, match="empty tuple"):
-        sample(key, 3, 2, episode_ends="within", done=())
+        dx.Window(2, episode_ends="stop", done="done")  # pyright: ignore[reportArgumentType]
+    with pytest.raises(ValueError, match=r"`Window\(done=...\)` is given.*does not read it"):
+        dx.Window(2, done="done")
+    with pytest.raises(ValueError, match=r"`Window\(episode_ends='truncate'\)` needs `done`"):
+        dx.Window(2, episode_ends="truncate")
+    with pytest.raises(ValueError, match=r"`Window\(done=...\)` is an empty tuple"):
+        dx.Window(2, episode_ends="within", done=())
     with pytest.raises(Exception, match="must name a leaf of the step|parameter 'done'"):
-        sample(key, 3, 2, episode_ends="within", done=3)  # pyright: ignore[reportArgumentType]
+        dx.Window(2, episode_ends="within", done=3)  # pyright: ignore[reportArgumentType]
+    # Whether `done` names suitable leaves is checked by the call.
+    call = r"`TrajectoryBuffer.sample`: `Window\(done=...\)`: "
+    with pytest.raises(ValueError, match=call + "the step has no leaf 'finished'"):
+        sample(key, 3, dx.Window(2, episode_ends="truncate", done="finished"))
+    with pytest.raises(TypeError, match=call + "the leaf 'pos' has dtype int32, expected bool"):
+        sample(key, 3, dx.Window(2, episode_ends="within", done=("done", "pos")))
+    with pytest.raises(
+        ValueError, match=call + ".* must pick one leaf of the step as it is stored"
+    ):
+        sample(
+            key, 3, dx.Window(2, episode_ends="within", done=lambda s: s["done"] & s["truncated"])
+        )
     transitions = buf.sample_transitions
-    leaves = {"discount": 0.9, "reward": "reward", "terminated": "terminated"}
+    leaves = {"reward": "reward", "terminated": "terminated"}
+    call = "`TrajectoryBuffer.sample_transitions`: "
     with pytest.raises(ValueError, match=r"reads n \+ 1 = 7 steps, more than max_length = 6"):
-        transitions(key, 3, 6, **leaves)
-    with pytest.raises(TypeError, match="the leaf 'done' has dtype bool, expected a float"):
-        transitions(key, 3, 2, **{**leaves, "reward": "done"})
-    with pytest.raises(TypeError, match="the leaf 'reward' has dtype float32, expected bool"):
-        transitions(key, 3, 2, **leaves, truncated="reward")
+        transitions(key, 3, dx.NStep(6, **leaves), discount=0.9)
+    with pytest.raises(
+        TypeError,
+        match=call + r"`NStep\(reward=...\)`: the leaf 'done' has dtype bool, expected a float",
+    ):
+        transitions(key, 3, dx.NStep(2, **{**leaves, "reward": "done"}), discount=0.9)
+    with pytest.raises(
+        TypeError,
+        match=call
+        + r"`NStep\(truncated=...\)`: the leaf 'reward' has dtype float32, expected bool",
+    ):
+        transitions(key, 3, dx.NStep(2, **leaves, truncated="reward"), discount=0.9)
     with pytest.raises(Exception, match="`discount` has shape|parameter 'discount'"):
-        transitions(key, 3, 2, **{**leaves, "discount": jnp.ones(2)})
+        transitions(key, 3, dx.NStep(2, **leaves), discount=jnp.ones(2))
     wide = dx.TrajectoryBuffer({"done": jnp.zeros(2, bool)}, 2, 6)
     with pytest.raises(ValueError, match=r"has shape \(2,\) per step"):
-        wide.sample(key, 3, 2, episode_ends="truncate", done="done")
+        wide.sample(key, 3, dx.Window(2, episode_ends="truncate", done="done"))
 
 
 def test_window_runtime_errors():
@@ -364,30 +392,28 @@ def test_window_runtime_errors():
     model = RefTrajectoryBuffer(2, 6)
     buf = async_adds(buf, model, {0: 3, 1: 2}, rng)
     key = jax.random.key(0)
-    sample = eqx.filter_jit(lambda b, k, kw: b.sample(k, 3, 2, **dict(kw)))
+    sample = eqx.filter_jit(lambda b, k, w: b.sample(k, 3, w))
     with pytest.raises(RuntimeError, match="a start needs its whole window of 4 steps stored"):
-        sample(buf, key, (("strict", True), ("burn_in", 2)))
+        sample(buf, key, dx.Window(2, strict=True, burn_in=2))
     with pytest.raises(RuntimeError, match=r"needs burn_in \+ 1 = 4 stored steps"):
-        sample(buf, key, (("burn_in", 3),))
+        sample(buf, key, dx.Window(2, burn_in=3))
     with pytest.raises(RuntimeError, match="a multiple of period = 5"):
-        sample(buf, key, (("period", 5), ("strict", True), ("burn_in", 2)))
-    transitions = eqx.filter_jit(
-        lambda b, k, n, g: b.sample_transitions(
-            k, 3, n, discount=g, reward="reward", terminated="terminated"
-        )
-    )
+        sample(buf, key, dx.Window(2, period=5, strict=True, burn_in=2))
+    transitions = eqx.filter_jit(lambda b, k, n, g: b.sample_transitions(k, 3, n, discount=g))
+    leaves = {"reward": "reward", "terminated": "terminated"}
+    three, two = dx.NStep(3, **leaves), dx.NStep(2, **leaves)
     with pytest.raises(RuntimeError, match=r"holds n \+ 1 = 4 steps yet"):
-        transitions(buf, key, 3, jnp.asarray(0.9))
-    transitions(buf, key, 2, jnp.asarray(1.0))
+        transitions(buf, key, three, jnp.asarray(0.9))
+    transitions(buf, key, two, jnp.asarray(1.0))
     for bad in [1.5, -0.1, jnp.nan]:
         with pytest.raises(RuntimeError, match=r"`discount` must be in \[0, 1\]"):
-            transitions(buf, key, 2, jnp.asarray(bad))
+            transitions(buf, key, two, jnp.asarray(bad))
 
 
 def test_step_count_limit_is_an_error():
     # The last step an env can number is 2**31 - 2; the next add is refused, not wrapped.
     buf = dx.TrajectoryBuffer({"x": jnp.zeros(())}, 2, 3)
-    buf = eqx.tree_at(lambda b: b.step_count, buf, jnp.asarray([2**31 - 2, 5], jnp.int32))
+    buf = eqx.tree_at(lambda b: b.streams.step_count, buf, jnp.asarray([2**31 - 2, 5], jnp.int32))
     one = {"x": jnp.ones(1)}
     buf = buf.add(one, env_ids=np.asarray([0], np.int32))
     assert buf.step_count.tolist() == [2**31 - 1, 5]

@@ -6,6 +6,7 @@ dejax's states were chex dataclasses whose fields user code reads (`state.storag
 from it as read-only properties.
 """
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -107,9 +108,6 @@ class ClusteredReplayBufferState(eqx.Module):
     def cluster_buffer(self) -> Any:
         """The buffer of one cluster (a `ReplayBuffer`, equal to the `cluster_buffer` that
         `clustered_replay` was given)."""
-        # Imported here: the buffer constructors import this module for their states.
-        from .clustered import buffer_of
-
         return buffer_of(self.module.clusters)
 
     @property
@@ -142,6 +140,20 @@ def state_of(module: Any) -> State:
             f"dx.CircularBuffer only, not of a {type(module).__name__}."
         ) from None
     return make(module)
+
+
+@functools.singledispatch
+def buffer_of(replay: Any) -> Any:
+    """The `ReplayBuffer` whose `init_fn` makes states like `replay`'s (its static fields only
+    are read, so a stack of replays gives the buffer of one).
+
+    Each buffer constructor registers the replay it makes (`uniform.py`, `clustered.py`):
+    they import this module for their states, so this module cannot import them.
+    """
+    raise TypeError(
+        f"no buffer of dejax_eqx.compat.dejax makes a state of {type(replay).__name__}, so a "
+        "clustered state of it has no `cluster_buffer`."
+    )
 
 
 def module_of(state: Any, expected: type | tuple[type, ...], call: str) -> Any:

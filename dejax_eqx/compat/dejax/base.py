@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Int, PRNGKeyArray, PyTree
 
-from ..._abstract import AbstractReplay
-from ..._checks import is_concrete
+from ... import AbstractReplay
+from ...internal import is_concrete
 from ._states import module_of, REPLAYS, State, state_of
 
 

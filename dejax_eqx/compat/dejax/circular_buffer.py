@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Int, PyTree
 
 from ... import CircularBuffer as EqxCircularBuffer
-from ..._checks import is_concrete
+from ...internal import is_concrete
 from ._states import CircularBuffer as CircularBuffer, module_of
 from .base import as_jax
 

@@ -2,17 +2,15 @@
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
 
-from ... import ClusteredReplay, UniformReplay
-from ..._abstract import AbstractReplay
-from ..._checks import check_finite_float, check_positive_int
+from ... import AbstractReplay, ClusteredReplay
+from ...internal import check_finite_float, check_positive_int
 from ._states import (
+    buffer_of,
     ClusteredReplayBufferState as ClusteredReplayBufferState,
     State,
 )
 from .base import Item, replay_buffer, ReplayBuffer
-from .uniform import uniform_replay
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,21 +38,13 @@ class _Init:
         return ClusteredReplayBufferState(replay)
 
 
-def buffer_of(replay: Any) -> ReplayBuffer:
-    """The `ReplayBuffer` whose `init_fn` makes states like `replay`'s (its static fields only
-    are read, so a stack of replays gives the buffer of one)."""
-    if isinstance(replay, UniformReplay):
-        return uniform_replay(replay.max_size)
-    if isinstance(replay, ClusteredReplay):
-        return clustered_replay(
-            replay.num_clusters,
-            buffer_of(replay.clusters),
-            replay.cluster_fn,
-            replay.distribution_power,
-        )
-    raise TypeError(
-        f"no buffer of dejax_eqx.compat.dejax makes a state of {type(replay).__name__}, so a "
-        "clustered state of it has no `cluster_buffer`."
+@buffer_of.register(ClusteredReplay)
+def _buffer_of_clustered(replay: ClusteredReplay) -> ReplayBuffer:
+    return clustered_replay(
+        replay.num_clusters,
+        buffer_of(replay.clusters),
+        replay.cluster_fn,
+        replay.distribution_power,
     )
 
 

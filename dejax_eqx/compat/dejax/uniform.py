@@ -7,8 +7,9 @@ import jax.numpy as jnp
 from jaxtyping import PRNGKeyArray, PyTree
 
 from ... import CircularBuffer as EqxCircularBuffer, UniformReplay
-from ..._checks import check_positive_int, is_concrete
+from ...internal import check_positive_int, is_concrete
 from ._states import (
+    buffer_of,
     CircularBuffer,
     module_of,
     UniformReplayBufferState as UniformReplayBufferState,
@@ -49,6 +50,11 @@ def uniform_replay(max_size: int) -> ReplayBuffer:
         ```
     """
     return replay_buffer(_Init(check_positive_int(max_size, "uniform_replay(max_size=...)")))
+
+
+@buffer_of.register(UniformReplay)
+def _buffer_of_uniform(replay: UniformReplay) -> ReplayBuffer:
+    return uniform_replay(replay.max_size)
 
 
 def uniform_sample(

@@ -13,12 +13,12 @@ import equinox as eqx
 import jax
 from jaxtyping import Array, Bool, Int, PyTree
 
-from ... import TrajectoryBuffer
-from ..._checks import check_sequences
+from ... import AbstractTrajectoryBuffer, TrajectoryBuffer
+from ...internal import check_sequences
 
 
 def check_add(
-    trajectories: TrajectoryBuffer, batch: PyTree, call: str, what: str = "buffer"
+    trajectories: AbstractTrajectoryBuffer, batch: PyTree, call: str, what: str = "buffer"
 ) -> PyTree:
     """`batch` (leaves `[add_batch_size, T, ...]`), checked against the prototype as
     `TrajectoryBuffer.extend` checks it, and to have one row per env and at most
@@ -38,43 +38,37 @@ def check_add(
 
 
 class LockStepState(eqx.Module):
-    """flashbax's fields of a trajectory buffer's state, read from `trajectories`, a
-    `dx.TrajectoryBuffer` that every add advances in lock-step (all envs share one step
-    count). The states of the plain and the prioritised buffers both derive them here."""
+    """flashbax's fields of a trajectory buffer's state, read from `module`, a trajectory
+    buffer that every add advances in lock-step (all envs share one step count). The states of
+    the plain and the prioritised buffers both derive them here."""
 
-    @property
-    def trajectories(self) -> TrajectoryBuffer:
-        raise NotImplementedError
+    module: eqx.AbstractVar[AbstractTrajectoryBuffer]
 
     @property
     def running_index(self) -> Int[Array, "*d"]:
         """The steps added to each row so far (never wrapped)."""
-        return self.trajectories.step_count[..., 0]
+        return self.module.step_count[..., 0]
 
     @property
     def experience(self) -> PyTree[Array]:
         """The slots, leaves `[add_batch_size, max_length_time_axis, ...]`."""
-        return self.trajectories.data
+        return self.module.data
 
     @property
     def current_index(self) -> Int[Array, "*d"]:
         """The time index the next add writes."""
-        return self.running_index % self.trajectories.max_length
+        return self.running_index % self.module.max_length
 
     @property
     def is_full(self) -> Bool[Array, "*d"]:
         """Whether every slot has been written."""
-        return self.running_index >= self.trajectories.max_length
+        return self.running_index >= self.module.max_length
 
 
 class TrajectoryBufferState(LockStepState):
     """The state of flashbax's trajectory, item and flat buffers: a `dx.TrajectoryBuffer`."""
 
     module: TrajectoryBuffer
-
-    @property
-    def trajectories(self) -> TrajectoryBuffer:
-        return self.module
 
 
 class TrajectoryBufferSample(eqx.Module):

@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int, Integer, PRNGKeyArray, PyTree, Real
 
-from .... import PrioritisedTrajectoryBuffer as _Module, TrajectoryBuffer as TrajectoryBufferModule
-from ...._checks import check_faults, Prototype
+from .... import PrioritisedTrajectoryBuffer as _Module, Window
+from ....internal import check_faults, Prototype, stamps_of
 from .._states import check_add, LockStepState
 from .sum_tree import SumTreeState
 from .trajectory_buffer import can_sample, make_trajectory_buffer, TrajectoryBuffer
@@ -55,10 +55,6 @@ class PrioritisedTrajectoryBufferState(LockStepState):
     """The state of flashbax's prioritised buffers: a `dx.PrioritisedTrajectoryBuffer`."""
 
     module: _Module
-
-    @property
-    def trajectories(self) -> TrajectoryBufferModule:
-        return self.module.trajectories
 
     @property
     def sum_tree_state(self) -> SumTreeState:
@@ -89,8 +85,7 @@ def _build(
         spec,
         add_batch_size,
         max_length_time_axis,
-        window,
-        period=period,
+        Window(window, period=period, strict=True),
         priority_exponent=priority_exponent,
         stratified=True,
         dtype=dtype,
@@ -108,27 +103,26 @@ def _configured(
     """`module` with the window and exponent asked for (static fields, so a module of the
     same leaves under another tree structure). The period cannot change; the window only while
     the buffer is empty."""
-    if period is not None and period != module.period:
+    if period is not None and period != module.window.period:
         raise ValueError(
             f"`{call}`: period = {period}, but this state was initialised with period = "
-            f"{module.period}; its sum tree has one leaf per period-aligned start. Pass the "
+            f"{module.window.period}; its sum tree has one leaf per period-aligned start. Pass the "
             "period given to `prioritised_init`."
         )
-    new_window = module.window if window is None else window
+    new_window = module.window.size if window is None else window
     new_exponent = (
         module.priority_exponent if priority_exponent is None else float(priority_exponent)
     )
-    if new_window == module.window and new_exponent == module.priority_exponent:
+    if new_window == module.window.size and new_exponent == module.priority_exponent:
         return module
-    t = module.trajectories
     try:
         template = jax.eval_shape(
             lambda: _build(
-                t.item_spec,
-                t.num_envs,
-                t.max_length,
+                module.item_spec,
+                module.num_envs,
+                module.max_length,
                 new_window,
-                module.period,
+                module.window.period,
                 new_exponent,
                 module.max_priority.dtype,
             )
@@ -136,21 +130,21 @@ def _configured(
     except (TypeError, ValueError) as err:
         raise type(err)(f"`{call}`: {err}") from err
     new = jax.tree.unflatten(jax.tree.structure(template), jax.tree.leaves(module))
-    if new_window == module.window:
+    if new_window == module.window.size:
         return new
     step_count = check_faults(
-        new.trajectories.step_count,
+        new.streams.step_count,
         [
             (
-                t.step_count > 0,
+                module.step_count > 0,
                 f"`{call}`: sample_sequence_length = {new_window}, but this state already holds "
-                f"steps added with sample_sequence_length = {module.window}; the windows a "
+                f"steps added with sample_sequence_length = {module.window.size}; the windows a "
                 "state prioritises have one length, fixed by its first add. Use the same "
                 "sample_sequence_length for every add and sample of a state",
             )
         ],
     )
-    return eqx.tree_at(lambda b: b.trajectories.step_count, new, step_count)
+    return eqx.tree_at(lambda b: b.streams.step_count, new, step_count)
 
 
 def prioritised_init(
@@ -201,7 +195,7 @@ def prioritised_add(
     rows, and update the priorities of the windows that enter or leave. `device` is accepted
     for flashbax's signature and not used."""
     call = "prioritised_trajectory_buffer.prioritised_add"
-    batch = check_add(state.module.trajectories, batch, call)
+    batch = check_add(state.module, batch, call)
     module = _configured(state.module, call, window=sample_sequence_length, period=period)
     return PrioritisedTrajectoryBufferState(module.extend(batch))
 
@@ -251,12 +245,9 @@ def set_priorities(
         )
     indices = indices.reshape(-1).astype(jnp.int32)
     priorities = jnp.reshape(jnp.asarray(priorities), -1)
-    k = module.slots_per_env
-    t = module.trajectories
-    env, slot = indices // k, indices % k
-    count = jnp.take(t.step_count, env, mode="clip")
-    start = module._latest_start(count, slot)
-    bad = (indices < 0) | (indices >= module.tree.capacity) | (start < 0)
+    outside = (indices < 0) | (indices >= module.tree.capacity)
+    env, start = stamps_of(module, jnp.where(outside, 0, indices))
+    bad = outside | (start < 0)
     env, start = check_faults(
         (env, start),
         [

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int, Integer
 
 from .... import SumTree
-from ...._sum_tree import priority_mass
+from ....internal import priority_mass
 
 
 def get_tree_depth(capacity: int) -> int:

@@ -14,9 +14,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
-from .... import TrajectoryBuffer as _Module
-from ...._checks import check_faults
-from ...._sequences import draw_starts
+from .... import TrajectoryBuffer as _Module, Window
+from ....internal import check_faults, draw_starts, phase, read_windows
 from .._states import check_add, TrajectoryBufferSample, TrajectoryBufferState
 from ..utils import add_dim_to_args
 
@@ -50,13 +49,13 @@ def sample(
     """
     call = "trajectory_buffer.sample"
     module = state.module
-    windows = module._windows(call, sequence_length, 0, 0, period, True, "cross", None)
+    window = Window(sequence_length, period=period, strict=True)
+    window.check(module.item_spec, module.max_length, call)
     lengths = module.lengths()
-    # `draw_starts` admits the back distances `b ≡ phase (mod period)`; the start `count - b`
-    # is then `oldest + k * period` for `phase = lengths mod period`.
-    phase = lengths % period
-    starts = draw_starts(rng_key, lengths, phase, batch_size, windows.law, jnp.float32(1))
-    items = module._gather(starts.env, starts.back, starts.remaining, windows).items
+    # Starts `oldest + k * period`: aligned to the oldest stored step, `lengths` steps back.
+    aligned = phase(lengths, period)
+    starts = draw_starts(rng_key, lengths, aligned, batch_size, window.law, jnp.float32(1))
+    items = read_windows(module.streams, starts.env, starts.back, window).items
     fault = (
         lengths[0] < sequence_length,
         f"`{call}`: the buffer holds fewer than sequence_length = {sequence_length} steps "

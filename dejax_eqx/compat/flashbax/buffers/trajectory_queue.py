@@ -20,6 +20,7 @@ import equinox as eqx
 from jaxtyping import Array, Bool, Int, PyTree
 
 from .... import TrajectoryQueue as _Module
+from ....internal import extend_queue, pop_queue
 from .._states import check_add
 
 
@@ -35,7 +36,7 @@ class TrajectoryQueueState(eqx.Module):
     @property
     def experience(self) -> PyTree[Array]:
         """The slots, leaves `[add_batch_size, max_length_time_axis, ...]`."""
-        return self.module.trajectories.data
+        return self.module.data
 
     @property
     def write_index(self) -> Int[Array, "*d"]:
@@ -61,7 +62,7 @@ class TrajectoryQueueSample(eqx.Module):
 
 # `[..., 0]` rather than `[0]`: the same fields then read a stack of states, as `pmap` returns.
 def _step_count(state: TrajectoryQueueState) -> Int[Array, "*d"]:
-    return state.module.trajectories.step_count[..., 0]
+    return state.module.step_count[..., 0]
 
 
 def _unread(state: TrajectoryQueueState) -> Int[Array, "*d"]:
@@ -94,10 +95,9 @@ def add(state: TrajectoryQueueState, batch: PyTree) -> TrajectoryQueueState:
     """
     call = "trajectory_queue.add"
     module = state.module
-    batch = check_add(module.trajectories, batch, call, "queue")
+    batch = check_add(module, batch, call, "queue")
     # The queue's own extend, under flashbax's name: it refuses to overwrite unread steps.
-    trajectories = module.trajectories._extend(batch, None, call, keep_unread=True)
-    return TrajectoryQueueState(module._with(trajectories))
+    return TrajectoryQueueState(extend_queue(module, batch, None, call, sequences=True))
 
 
 def sample(
@@ -113,7 +113,7 @@ def sample(
     `sequence_length` unread steps (where flashbax returned stale steps). `can_sample` tells
     whether they are there.
     """
-    steps, module = state.module._pop(sequence_length, "trajectory_queue.sample")
+    steps, module = pop_queue(state.module, sequence_length, "trajectory_queue.sample")
     return TrajectoryQueueState(module), TrajectoryQueueSample(experience=steps)
 
 

@@ -1,0 +1,296 @@
+"""Priorities of items on a sum tree, shared by both prioritised buffers: the mass of a
+priority, the largest priority recorded, how items are drawn and weighted. The one home of
+priority bookkeeping."""
+
+from typing import Any, TypeVar
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, Integer, PRNGKeyArray, Real
+
+from ._checks import (
+    check_bool,
+    check_faults,
+    check_finite_float,
+    check_float_dtype,
+    check_nonnegative_float,
+    check_positive_int,
+    check_real_scalar,
+    Fault,
+)
+from ._sum_tree import draw_leaves, set_leaves, SumTree
+
+
+_P = TypeVar("_P", bound="Priorities")
+
+
+def priority_mass(priorities: Float[Array, "*s"], exponent: float) -> Float[Array, "*s"]:
+    """`p ** α`, with zero priority mapped to zero mass for every `α` (also `α = 0`)."""
+    if exponent == 1.0:
+        return priorities
+    return jnp.where(priorities > 0, priorities**exponent, 0)
+
+
+class Priorities(eqx.Module):
+    """The priorities of `capacity` items: a `SumTree` of their masses `p ** α`, and the
+    largest priority recorded so far (`max_priority`, at least 1.0, the priority new items
+    get). Zero priority is zero mass for every `α`, and a leaf of zero mass is never drawn.
+
+    Held by `PrioritisedReplay` (one leaf per storage slot) and `PrioritisedTrajectoryBuffer`
+    (one leaf per window). The buffer decides which leaves change; this module what they
+    hold. Its operations are unchecked: the buffer's public method checks its arguments and
+    passes the faults these operations report to its own single check.
+    """
+
+    tree: SumTree
+    max_priority: Float[Array, ""]
+    exponent: float = eqx.field(static=True)
+    stratified: bool = eqx.field(static=True)
+
+    def __init__(self, capacity: int, exponent: float, stratified: bool, dtype: Any, owner: str):
+        """Arguments are checked under the name of the buffer that owns them (`owner`), which
+        checks `capacity` (at most `MAX_CAPACITY`) itself: `exponent` `α >= 0`, `stratified` a
+        bool, `dtype` float32 or float64."""
+        self.exponent = check_nonnegative_float(exponent, f"{owner}(priority_exponent=...)")
+        self.stratified = check_bool(stratified, f"{owner}(stratified=...)")
+        dtype = check_float_dtype(dtype, f"{owner}(dtype=...)")
+        self.tree = SumTree(capacity, dtype)
+        self.max_priority = jnp.asarray(1.0, dtype)
+
+    def mass(self, priorities: Float[Array, "*s"]) -> Float[Array, "*s"]:
+        """The masses of `priorities` (in the tree's dtype)."""
+        return priority_mass(priorities, self.exponent)
+
+    def new_mass(self) -> Float[Array, ""]:
+        """The mass a new item gets: that of the largest priority recorded."""
+        return self.mass(self.max_priority)
+
+    def fresh(self: _P) -> _P:
+        """Priorities of the same configuration with every mass 0 and `max_priority` 1.0 (from
+        the static fields alone: `self` may be a shape-only template)."""
+        dtype = self.max_priority.dtype
+        return type(self)(self.tree.capacity, self.exponent, self.stratified, dtype, "")
+
+    def prepare(
+        self,
+        priorities: Real[Array, " n"] | None,
+        n: int,
+        call: str,
+        *,
+        mask: Bool[Array, " n"] | None = None,
+    ) -> tuple[Float[Array, " n"], Float[Array, ""], list[Fault]]:
+        """For `n` items given `priorities` (checked in shape and dtype; `None`: the largest
+        recorded), `(masses, new max_priority, faults)`. Masked-out entries may hold
+        anything: they are neither checked nor recorded."""
+        if priorities is None:
+            return jnp.broadcast_to(self.new_mass(), (n,)), self.max_priority, []
+        priorities = priorities.astype(self.max_priority.dtype)
+        if mask is not None:
+            priorities = jnp.where(mask, priorities, 0)
+        bad = ~(jnp.isfinite(priorities) & (priorities >= 0))
+        top = jnp.maximum(self.max_priority, jnp.max(priorities, initial=0))
+        fault = (bad, f"`{call}`: priorities must be finite and non-negative")
+        return self.mass(priorities), top, [fault]
+
+    def write(
+        self: _P,
+        leaves: Int[Array, " n"],
+        masses: Float[Array, " n"],
+        max_priority: Float[Array, ""] | None = None,
+        *,
+        mask: Bool[Array, " n"] | None = None,
+        unique: bool = False,
+    ) -> _P:
+        """`masses` written to `leaves` (of repeated leaves the last wins, unless `unique`
+        promises none; out-of-range or masked-out leaves are dropped), and `max_priority` if
+        given (as `prepare` raised it)."""
+        tree = set_leaves(self.tree, leaves, masses, mask=mask, unique=unique)
+        if max_priority is None:
+            max_priority = self.max_priority
+        return eqx.tree_at(lambda p: (p.tree, p.max_priority), self, (tree, max_priority))
+
+    def draw(
+        self, key: PRNGKeyArray, batch_size: int
+    ) -> tuple[Int[Array, " batch"], Float[Array, " batch"]]:
+        """`batch_size` leaves drawn in proportion to their masses (stratified or i.i.d.), and
+        the probability of each in one i.i.d. draw (0 everywhere on an all-zero tree)."""
+        return draw_leaves(self.tree, key, batch_size, self.stratified)
+
+    def sample_faults(self, call: str, items: str) -> list[Fault]:
+        """The faults of a draw (after the buffer's own "nothing stored"): every stored item
+        has priority 0, or the total mass is not finite. `items` names the items."""
+        total = self.tree.total
+        return [
+            (total <= 0, f"`{call}`: every stored {items} has priority 0; none can be drawn"),
+            (
+                ~jnp.isfinite(total),
+                f"`{call}`: the total priority mass sum(priority ** priority_exponent) is not "
+                "finite in the tree's dtype",
+            ),
+        ]
+
+
+class HasPriorities(eqx.Module):
+    """What both prioritised buffers show of their `Priorities`, read-only."""
+
+    priorities: eqx.AbstractVar[Priorities]
+
+    @property
+    def tree(self) -> SumTree:
+        """The sum tree of the items' masses `p ** α` (read-only)."""
+        return self.priorities.tree
+
+    @property
+    def max_priority(self) -> Float[Array, "*batch"]:
+        """The largest priority recorded so far (at least 1.0): what new items get."""
+        return self.priorities.max_priority
+
+    @property
+    def priority_exponent(self) -> float:
+        """`α`, a static Python float."""
+        return self.priorities.exponent
+
+    @property
+    def stratified(self) -> bool:
+        """Whether `sample` draws one item from each of `batch_size` equal slices of the mass."""
+        return self.priorities.stratified
+
+
+def check_beta(beta: Real[ArrayLike, ""], call: str) -> tuple[Real[Array, ""], Fault]:
+    """An importance-weight exponent: a real scalar (checked at once; a Python number must be
+    finite and non-negative) and the fault of an array that is not."""
+    if isinstance(beta, int | float | np.integer | np.floating):
+        check_nonnegative_float(beta, f"{call}(beta=...)")
+    beta = check_real_scalar(beta, call, "beta")
+    return beta, (
+        ~(jnp.isfinite(beta) & (beta >= 0)),
+        f"`{call}`: `beta` must be finite and non-negative",
+    )
+
+
+def weights(
+    probabilities: Float[Array, "*batch"], size: Real[Array, ""], beta: Real[Array, ""]
+) -> Float[Array, "*batch"]:
+    """`importance_weights` without its checks."""
+    dtype = probabilities.dtype
+    log_n = jnp.log(size.astype(dtype))
+    log_w = -beta.astype(dtype) * (log_n + jnp.log(probabilities))
+    return jnp.exp(log_w - jnp.max(log_w))
+
+
+def importance_weights(
+    probabilities: Float[ArrayLike, "*batch"],
+    size: Integer[ArrayLike, ""],
+    beta: Real[ArrayLike, ""],
+) -> Float[Array, "*batch"]:
+    """Importance-sampling weights that correct the bias of prioritised sampling.
+
+    `w_i = (N · P(i)) ** -β / max_j (N · P(j)) ** -β`, the maximum taken over the batch
+    (Schaul et al., 2016), so the largest weight is 1. With `β = 1` the weights fully correct
+    for sampling with probabilities `P` instead of uniformly; `β` is usually annealed from about
+    0.4 to 1 over training.
+
+    Computed in log space, so tiny probabilities neither overflow nor lose precision. (After
+    normalisation `N` cancels out; it is taken for the formula's sake.)
+
+    **Arguments:**
+
+    - `probabilities`: the probabilities `P(i)` of the sampled items, as in
+        `PrioritisedSample.probabilities` (any shape; all must be positive).
+    - `size`: `N`, the number of stored items (`replay.size`), positive.
+    - `beta`: the exponent `β`, a finite non-negative scalar.
+
+    **Returns:** weights with the shape and dtype of `probabilities`, at most 1.
+
+    **Raises:** `ValueError`/`TypeError` at once for a Python `size` or `beta` out of range;
+    an `eqx.error_if` error if a probability is not positive (or is NaN), or if an array
+    `size` is not positive or an array `beta` is negative or not finite.
+
+    !!! Example
+
+        ```python
+        import jax.numpy as jnp
+        import dejax_eqx as dx
+
+        w = dx.importance_weights(jnp.array([0.1, 0.4]), 10, beta=1.0)
+        assert jnp.allclose(w, jnp.array([1.0, 0.25]))
+        ```
+    """
+    call = "importance_weights"
+    probabilities = jnp.asarray(probabilities)
+    if not jnp.issubdtype(probabilities.dtype, jnp.floating):
+        raise TypeError(
+            f"`{call}`: `probabilities` must have a floating dtype, got {probabilities.dtype}."
+        )
+    # Python values are configuration, checked now; arrays are data, checked at run time.
+    if isinstance(size, int | np.integer):
+        check_positive_int(size, f"{call}(size=...)")
+    size = check_real_scalar(size, call, "size")
+    beta, beta_fault = check_beta(beta, call)
+    return check_faults(
+        weights(probabilities, size, beta),
+        [
+            (~(probabilities > 0), f"`{call}`: probabilities must be positive"),
+            (~(size > 0), f"`{call}`: `size` must be positive"),
+            beta_fault,
+        ],
+    )
+
+
+def sequence_priorities(
+    td_errors: Float[ArrayLike, "batch seq"],
+    mask: Bool[ArrayLike, "batch seq"],
+    eta: float = 0.9,
+) -> Float[Array, " batch"]:
+    """R2D2's priority of each sequence: a mixture of the largest and the mean absolute TD
+    error over the steps that count.
+
+    `p = η · max_t |δ_t| + (1 - η) · mean_t |δ_t|` over the steps `t` where `mask` is `True`
+    (Kapturowski et al., 2019, with `η = 0.9`). The mean alone washes out the rare large
+    errors of a long sequence; the max alone is noisy. A row with no masked-in step gets
+    priority 0 (it has nothing to learn from, and is then never drawn).
+
+    **Arguments:**
+
+    - `td_errors`: floating array of shape `(batch, seq)`, e.g. over a window's steps.
+    - `mask`: boolean array of the same shape, e.g. `SequenceSample.learn`.
+    - `eta`: `η`, a Python float in `[0, 1]` (default 0.9).
+
+    **Returns:** an array of shape `(batch,)` in the dtype of `td_errors`, non-negative
+    where the masked-in errors are finite.
+
+    **Raises:** `TypeError`/`ValueError` at once for a non-floating `td_errors`, a non-bool
+    `mask`, shapes that differ or an `eta` outside `[0, 1]`.
+
+    !!! Example
+
+        ```python
+        import jax.numpy as jnp
+        import dejax_eqx as dx
+
+        td = jnp.array([[1.0, -3.0, 2.0], [5.0, 0.0, 0.0]])
+        learn = jnp.array([[True, True, True], [False, False, False]])
+        p = dx.sequence_priorities(td, learn, eta=0.5)
+        assert jnp.allclose(p, jnp.array([0.5 * 3.0 + 0.5 * 2.0, 0.0]))
+        ```
+    """
+    call = "sequence_priorities"
+    td_errors, mask = jnp.asarray(td_errors), jnp.asarray(mask)
+    if not jnp.issubdtype(td_errors.dtype, jnp.floating):
+        raise TypeError(f"`{call}`: `td_errors` must have a floating dtype, got {td_errors.dtype}.")
+    if mask.dtype != jnp.bool_:
+        raise TypeError(f"`{call}`: `mask` must be a bool array, got dtype {mask.dtype}.")
+    if td_errors.ndim != 2 or mask.shape != td_errors.shape:
+        raise ValueError(
+            f"`{call}`: `td_errors` and `mask` must both have shape (batch, seq), got "
+            f"{td_errors.shape} and {mask.shape}."
+        )
+    eta = check_finite_float(eta, f"{call}(eta=...)")
+    if not 0.0 <= eta <= 1.0:
+        raise ValueError(f"`{call}(eta=...)` must be in [0, 1], got {eta}.")
+    size = jnp.sum(mask, axis=1, dtype=td_errors.dtype)
+    magnitude = jnp.where(mask, jnp.abs(td_errors), 0)
+    largest = jnp.max(magnitude, axis=1)
+    mean = jnp.sum(magnitude, axis=1) / jnp.maximum(size, 1)
+    return (eta * largest + (1 - eta) * mean).astype(td_errors.dtype)

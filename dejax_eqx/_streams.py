@@ -1,0 +1,439 @@
+"""Per-env streams of steps: the storage under every trajectory buffer, as `CircularBuffer` is
+under every replay. The only code that knows where a step of a stream sits."""
+
+from typing import cast, NamedTuple, TypeVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jaxtyping import Array, ArrayLike, Bool, Int, Integer, PyTree, Shaped
+
+from ._checks import (
+    as_prototype,
+    check_faults,
+    check_index,
+    check_items,
+    check_positive_int,
+    check_sequences,
+    count_ids,
+    Fault,
+    INT32_MAX,
+    Prototype,
+    spec_of,
+)
+from ._storage import ring_add, ring_sub
+
+
+_S = TypeVar("_S", bound="Streams")
+
+
+def out_of_range(num_envs: int) -> str:
+    """The message of an env id out of range (without the call)."""
+    return f"an env id is out of range; env ids must satisfy 0 <= env_id < num_envs = {num_envs}"
+
+
+class Streams(eqx.Module):
+    """Per-env rings of steps: each of `num_envs` envs keeps its last `max_length` steps, and
+    counts every step it has taken.
+
+    Step `s` of env `e` (its `s`-th step, from 0) sits in slot `s mod max_length` of row `e`,
+    so the write cursor of an env is `step_count mod max_length` (`head`). Envs advance
+    independently: an append writes the listed envs at their own cursors, in one scatter.
+    Absolute step numbers never repeat, which is what lets a window be named by `(env,
+    start)` long after it was sampled (`stale`).
+
+    The trajectory buffers (`TrajectoryBuffer`, `PrioritisedTrajectoryBuffer`,
+    `TrajectoryQueue`) hold a `Streams` as `streams` and add their own state: an online
+    window, priorities, an unread count. On its own it is a checked store of per-env steps.
+
+    `Streams` is final: it is not meant to be subclassed.
+    """
+
+    data: PyTree[Shaped[Array, "num_envs max_length ..."]]
+    """The slots: each leaf of the prototype with two leading axes `(num_envs, max_length)`,
+    each row in ring order."""
+    step_count: Int[Array, " num_envs"]
+    """Per env, the number of steps ever appended, in `[0, 2**31 - 1]` (int32)."""
+    lengths: Int[Array, " num_envs"]
+    """Per env, the number of stored steps, `min(step_count, max_length)` unless restored
+    otherwise (int32)."""
+    num_envs: int = eqx.field(static=True)
+    max_length: int = eqx.field(static=True)
+
+    def __init__(self, prototype: Prototype, num_envs: int, max_length: int):
+        """**Arguments:**
+
+        - `prototype`: one step of one env, a pytree of arrays (or Python scalars). Only its
+            structure, shapes and dtypes are used; stored steps must match them exactly.
+        - `num_envs`: the number of envs (streams), a positive Python int.
+        - `max_length`: the number of steps each env keeps, a positive Python int below
+            `2**31`.
+        """
+        self.num_envs = check_positive_int(num_envs, "Streams(num_envs=...)")
+        self.max_length = check_positive_int(max_length, "Streams(max_length=...)")
+        spec = as_prototype(prototype, "Streams(prototype=...)")
+        shape = (self.num_envs, self.max_length)
+        self.data = jax.tree.map(lambda s: jnp.zeros((*shape, *s.shape), s.dtype), spec)
+        self.step_count = jnp.zeros(self.num_envs, jnp.int32)
+        self.lengths = jnp.zeros(self.num_envs, jnp.int32)
+
+    @property
+    def item_spec(self) -> PyTree[jax.ShapeDtypeStruct]:
+        """The structure, shape and dtype of one step, as `jax.ShapeDtypeStruct` leaves."""
+        return spec_of(self.data, axes=2)
+
+    @property
+    def head(self) -> Int[Array, "*batch num_envs"]:
+        """Each env's write cursor: the slot its next step goes to, `step_count mod
+        max_length`."""
+        return self.step_count % self.max_length
+
+    def append(
+        self: _S, items: PyTree[ArrayLike], env_ids: Integer[ArrayLike, " n"] | None = None
+    ) -> _S:
+        """Append one step to each listed env (leaves `[n, ...]`; `env_ids` distinct ids in
+        `[0, num_envs)`, `None` for every env in order), as `AbstractTrajectoryBuffer.add`."""
+        done = check_append(self, items, env_ids, "Streams.append", sequences=False)
+        return cast(_S, done.guarded(check_faults(done.counters(), done.faults)))
+
+    def extend(
+        self: _S, items: PyTree[ArrayLike], env_ids: Integer[ArrayLike, " n"] | None = None
+    ) -> _S:
+        """Append `T` steps to each listed env (leaves `[n, T, ...]`, oldest first), as
+        `AbstractTrajectoryBuffer.extend`."""
+        done = check_append(self, items, env_ids, "Streams.extend", sequences=True)
+        return cast(_S, done.guarded(check_faults(done.counters(), done.faults)))
+
+    def newest(self, env_ids: Integer[ArrayLike, "*n"] | None = None) -> PyTree[Array]:
+        """The newest step of each listed env, as `AbstractTrajectoryBuffer.peek`."""
+        return check_faults(*check_newest(self, env_ids, "Streams.newest"))
+
+    def stale(
+        self, env_ids: Integer[ArrayLike, "*n"], starts: Integer[ArrayLike, "*n"]
+    ) -> Bool[Array, "*n"]:
+        """Whether each step `(env, start)` has been overwritten, as
+        `AbstractTrajectoryBuffer.stale`."""
+        return check_faults(*check_stale(self, env_ids, starts, "Streams.stale"))
+
+    def restore(
+        self: _S,
+        steps: PyTree[ArrayLike],
+        ends: Integer[ArrayLike, " num_envs"],
+        lengths: Integer[ArrayLike, " num_envs"],
+    ) -> _S:
+        """Streams of this configuration holding given steps: env `e` has taken `ends[e]`
+        steps and holds the last `lengths[e]` of them, given oldest first.
+
+        For steps kept elsewhere (a `Dataset`, another buffer's history). Only the static
+        configuration of `self` is used, so it may come from `eqx.filter_eval_shape`.
+
+        **Arguments:**
+
+        - `steps`: leaves `[num_envs, max_length, ...]`: row `e` holds env `e`'s stored steps,
+            oldest first, in its first `lengths[e]` positions; the rest is ignored (stored as
+            zeros).
+        - `ends`, `lengths`: integer arrays of shape `(num_envs,)`, with `0 <= lengths[e] <=
+            min(ends[e], max_length)` and `ends[e] <= 2**31 - 1`.
+
+        **Returns:** the new streams.
+
+        **Raises:** `ValueError`/`TypeError` at once if `steps` does not match; an
+        `eqx.error_if` error for counts out of range.
+        """
+        call = "Streams.restore"
+        items, n, length = check_sequences(self.item_spec, steps, call)
+        if (n, length) != (self.num_envs, self.max_length):
+            raise ValueError(
+                f"`{call}`: the steps have leading axes ({n}, {length}), expected "
+                f"(num_envs, max_length) = ({self.num_envs}, {self.max_length})."
+            )
+        m, shape = self.max_length, (self.num_envs,)
+        count, bad_count = check_index(ends, INT32_MAX + 1, f"{call}(ends=...)", ndim=1)
+        kept, bad_kept = check_index(lengths, m + 1, f"{call}(lengths=...)", ndim=1)
+        if count.shape != shape or kept.shape != shape:
+            raise ValueError(
+                f"`{call}`: `ends` and `lengths` have shapes {count.shape} and {kept.shape}, "
+                f"expected ({self.num_envs},): one per env."
+            )
+        # Position i of row e is step ends - lengths + i: every row is a rotation of its slots.
+        first = jnp.where(bad_count | bad_kept, 0, count - kept) % m
+        slots = ring_add(first[:, None], jnp.arange(m, dtype=jnp.int32)[None, :], m)
+        rows = jnp.arange(self.num_envs, dtype=jnp.int32)[:, None]
+        position = jnp.arange(m)[None, :] < kept[:, None]
+
+        def place(x):
+            real = position.reshape(position.shape + (1,) * (x.ndim - 2))
+            y = jnp.where(real, x, jnp.zeros_like(x))
+            return jnp.zeros_like(y).at[rows, slots].set(y, unique_indices=True)
+
+        count, kept = check_faults(
+            (count, kept),
+            [
+                (bad_count, f"`{call}`: `ends` must be in [0, 2**31 - 1]"),
+                (bad_kept, f"`{call}`: `lengths` must be in [0, max_length = {m}]"),
+                (~bad_count & ~bad_kept & (kept > count), f"`{call}`: `lengths` exceed `ends`"),
+            ],
+        )
+        return eqx.tree_at(
+            lambda s: (s.data, s.step_count, s.lengths),
+            self,
+            (jax.tree.map(place, items), count, kept),
+        )
+
+
+def make_streams(prototype: Prototype, num_envs: int, max_length: int, owner: str) -> Streams:
+    """`Streams(prototype, num_envs, max_length)` with the arguments checked under the name of
+    the buffer that owns them (`owner`), so that a bad one is reported as that buffer's."""
+    num_envs = check_positive_int(num_envs, f"{owner}(num_envs=...)")
+    max_length = check_positive_int(max_length, f"{owner}(max_length=...)")
+    return Streams(as_prototype(prototype, f"{owner}(prototype=...)"), num_envs, max_length)
+
+
+# ---------------------------------------------------------------------------------------------
+# The doors of the operations above, for buffers that add their own checks: each checks its
+# arguments at trace time and returns its result with the faults the caller passes, together
+# with its own, to one `check_faults`. Then the unchecked operations.
+
+
+class Appended(NamedTuple):
+    """A checked append: the new streams, and for the caller's own bookkeeping the rows the
+    entries went to (`num_envs` for a bad id), which entries are valid, which envs took steps
+    (`added`), how many (`length`), and the faults to report."""
+
+    streams: Streams
+    rows: Int[Array, " n"]
+    valid: Bool[Array, " n"]
+    added: Bool[Array, " num_envs"]
+    length: int
+    faults: list[Fault]
+
+    def counters(self) -> tuple[Int[Array, " num_envs"], Int[Array, " num_envs"]]:
+        """What a check guards: the new counters, which every later use depends on (never the
+        storage, which a guard could copy)."""
+        return self.streams.step_count, self.streams.lengths
+
+    def guarded(self, counters: tuple[Array, Array]) -> Streams:
+        """The new streams with `counters` as returned by `check_faults`."""
+        return eqx.tree_at(lambda s: (s.step_count, s.lengths), self.streams, counters)
+
+
+def check_append(
+    streams: Streams,
+    items: PyTree[ArrayLike],
+    env_ids: Integer[ArrayLike, " n"] | None,
+    call: str,
+    *,
+    sequences: bool,
+) -> Appended:
+    """The door of an append: `items` (leaves `[n, ...]`, or `[n, T, ...]` with `sequences`)
+    and `env_ids` checked, the steps written, and the faults: an env id out of range or
+    repeated, an env that would pass `2**31 - 1` steps. A bad id writes nothing (its row is
+    `num_envs`, which the scatter drops), whatever `EQX_ON_ERROR` says."""
+    if sequences:
+        items, n, length = check_sequences(streams.item_spec, items, call)
+    else:
+        items, n = check_items(streams.item_spec, items, call, batched=True, what="batch of steps")
+        assert n is not None
+        items, length = jax.tree.map(lambda x: x[:, None], items), 1
+    faults: list[Fault] = []
+    if env_ids is None:
+        if n != streams.num_envs:
+            raise ValueError(
+                f"`{call}`: without `env_ids` there must be steps for every env, but the "
+                f"batch has {n} entries and num_envs is {streams.num_envs}. Pass "
+                "`env_ids` to add steps for some envs only."
+            )
+        rows = jnp.arange(n, dtype=jnp.int32)
+        valid = jnp.ones(n, jnp.bool_)
+    else:
+        rows, bad = check_index(
+            env_ids, streams.num_envs, f"{call}(env_ids=...)", ndim=1, length=(n, "step")
+        )
+        valid = ~bad
+        counts = count_ids(rows, streams.num_envs)
+        faults += [
+            (bad, f"`{call}`: {out_of_range(streams.num_envs)}"),
+            (
+                jnp.any(counts > 1),
+                f"`{call}`: an env id occurs more than once; each call adds to each env at "
+                "most once",
+            ),
+        ]
+    if length == 0 or n == 0:  # nothing is added, so nothing can be wrong: the caller returns
+        return Appended(streams, rows, valid, jnp.zeros(streams.num_envs, jnp.bool_), 0, [])
+    new, added = append_steps(streams, items, None if env_ids is None else rows, length)
+    faults.append(
+        (
+            jnp.any(added & (streams.step_count > INT32_MAX - length)),
+            f"`{call}`: an env would pass 2**31 - 1 steps, the most its int32 step count "
+            "holds; the step numbers that align periods and stamp samples would wrap",
+        )
+    )
+    return Appended(new, rows, valid, added, length, faults)
+
+
+def check_newest(
+    streams: Streams, env_ids: Integer[ArrayLike, "*n"] | None, call: str
+) -> tuple[PyTree[Array], list[Fault]]:
+    """The door of `newest`: the newest step of each listed env, and the faults (an id out of
+    range, an env without steps)."""
+    if env_ids is None:
+        rows = jnp.arange(streams.num_envs, dtype=jnp.int32)
+        bad = jnp.zeros(streams.num_envs, jnp.bool_)
+    else:
+        rows, bad = check_index(env_ids, streams.num_envs, f"{call}(env_ids=...)")
+    rows = jnp.where(bad, 0, rows)  # any row: the result is not used when one is bad
+    flat = rows.reshape(-1)
+    steps = jax.tree.map(
+        lambda x: x.reshape(rows.shape + x.shape[2:]),
+        gather_steps(streams, flat, jnp.ones_like(flat), 1),
+    )
+    return steps, [
+        (bad, f"`{call}`: {out_of_range(streams.num_envs)}"),
+        (
+            ~bad & (streams.lengths[rows] == 0),
+            f"`{call}`: an env has no stored step yet; there is nothing to peek at",
+        ),
+    ]
+
+
+class Stamps(NamedTuple):
+    """Checked stamps `(env, start)`: in-range rows and starts (0 where bad), the env's step
+    count and stored length, and the faults of ids out of range and of starts that are not
+    steps of their env."""
+
+    env: Int[Array, "*n"]
+    start: Int[Array, "*n"]
+    taken: Int[Array, "*n"]
+    length: Int[Array, "*n"]
+    bad: Bool[Array, "*n"]
+    faults: list[Fault]
+
+    @property
+    def stale(self) -> Bool[Array, "*n"]:
+        """Whether each stamp's first step has been overwritten."""
+        return self.start < self.taken - self.length
+
+
+def check_stamps(
+    streams: Streams,
+    env_ids: Integer[ArrayLike, "*n"],
+    starts: Integer[ArrayLike, "*n"],
+    call: str,
+    *,
+    ndim: int | None = None,
+) -> Stamps:
+    """The door of every call that takes stamps back: `env_ids` and `starts` checked (same
+    shape; `ndim` axes where given), and the faults of an id out of range and a start that is
+    not a step its env has taken (negative, or at least its `step_count`)."""
+    rows, bad_env = check_index(env_ids, streams.num_envs, f"{call}(env_ids=...)", ndim=ndim)
+    steps, bad_step = check_index(starts, INT32_MAX, f"{call}(starts=...)", ndim=ndim)
+    if rows.shape != steps.shape:
+        raise ValueError(
+            f"`{call}`: `env_ids` has shape {rows.shape} and `starts` {steps.shape}; they must "
+            "match, one start per env id."
+        )
+    rows, steps = jnp.where(bad_env, 0, rows), jnp.where(bad_step, 0, steps)
+    count, length = streams.step_count[rows], streams.lengths[rows]
+    bad = bad_env | bad_step | (steps >= count)
+    return Stamps(
+        rows,
+        steps,
+        count,
+        length,
+        bad,
+        [
+            (bad_env, f"`{call}`: {out_of_range(streams.num_envs)}"),
+            (
+                ~bad_env & (bad_step | (steps >= count)),
+                f"`{call}`: a start is not a step of its env (negative, or not yet taken); "
+                "stamps must come from this buffer",
+            ),
+        ],
+    )
+
+
+def check_stale(
+    streams: Streams, env_ids: Integer[ArrayLike, "*n"], starts: Integer[ArrayLike, "*n"], call: str
+) -> tuple[Bool[Array, "*n"], list[Fault]]:
+    """The door of `stale`: whether each stamp's first step has been overwritten."""
+    stamps = check_stamps(streams, env_ids, starts, call)
+    return stamps.stale, stamps.faults
+
+
+def append_steps(
+    streams: _S, items: PyTree[Array], rows: Int[Array, " n"] | None, length: int
+) -> tuple[_S, Bool[Array, " num_envs"]]:
+    """Append `length >= 1` steps (leaves `[n, length, ...]`) to envs `rows` (distinct; a row
+    of `num_envs` is dropped), or to every env in order (`rows=None`). Unchecked. Returns the
+    new streams and which envs took the steps. An env past `2**31 - 1 - length` steps keeps its
+    count (the caller reports it)."""
+    m = streams.max_length
+    if length > m:  # only the last m steps of each env survive, as after `length` appends
+        items = jax.tree.map(lambda x: x[:, length - m :], items)
+    kept = min(length, m)
+    # Step t of the kept ones goes `length - kept + t` slots past the env's cursor.
+    offsets = jnp.asarray(np.arange(length - kept, length) % m, jnp.int32)
+    head = streams.head
+    if rows is None:
+        if kept == 1:
+            # Row e of every leaf takes step e at its own cursor: a vmapped one-step update,
+            # one scatter whose env axis is a batch axis. Sharded along that axis, every
+            # device writes its own envs' steps with no communication.
+            write = jax.vmap(lambda row, y, h: lax.dynamic_update_index_in_dim(row, y, h, 0))
+            last = ring_add(head, offsets[0], m)
+            data = jax.tree.map(lambda x, y: write(x, y[:, 0], last), streams.data, items)
+        else:
+            every = jnp.arange(streams.num_envs, dtype=jnp.int32)[:, None]
+            slots = ring_add(head[:, None], offsets[None, :], m)
+            data = jax.tree.map(
+                lambda x, y: x.at[every, slots].set(y, unique_indices=True), streams.data, items
+            )
+        added = jnp.ones(streams.num_envs, jnp.bool_)
+    else:
+        cursors = jnp.take(head, rows, mode="fill", fill_value=0)
+        slots = ring_add(cursors[:, None], offsets[None, :], m)
+        data = jax.tree.map(
+            lambda x, y: x.at[rows[:, None], slots].set(y, mode="drop"), streams.data, items
+        )
+        added = count_ids(rows, streams.num_envs) > 0
+    fits = added & (streams.step_count <= INT32_MAX - length)
+    step_count = jnp.where(fits, streams.step_count + length, streams.step_count)
+    lengths = grow(streams.lengths, added, length, m)
+    new = eqx.tree_at(
+        lambda s: (s.data, s.step_count, s.lengths), streams, (data, step_count, lengths)
+    )
+    return new, added
+
+
+def grow(
+    lengths: Int[Array, " num_envs"], added: Bool[Array, " num_envs"], length: int, max_length: int
+) -> Int[Array, " num_envs"]:
+    """A window that ends at the newest step (stored steps, an online queue), after `length`
+    steps were appended to the envs `added`: `min(lengths + length, max_length)` there."""
+    # `min(w, m - length) + length` rather than `min(w + length, m)`: no int32 overflow, and
+    # nothing ever exceeds m.
+    grown = jnp.minimum(lengths, max(max_length - length, 0)) + min(length, max_length)
+    return jnp.where(added, grown, lengths)
+
+
+def gather_steps(
+    streams: Streams,
+    env: Int[Array, " batch"],
+    back: Int[Array, " batch"],
+    size: int,
+    data: PyTree[Array] | None = None,
+) -> PyTree[Shaped[Array, "batch size ..."]]:
+    """Per row, `size` consecutive steps of env `env` from its `back`-th newest step (`back`
+    in `[0, max_length]`; steps past the newest wrap into stale slots, for the caller to mask).
+    Unchecked. `data` is `streams.data` or a part of it (one leaf, say) with the same two
+    leading axes."""
+    m = streams.max_length
+    # back is in [0, m], so every term stays in [0, m].
+    first = ring_sub(streams.head[env], back, m)
+    slots = ring_add(first[:, None], jnp.arange(size, dtype=jnp.int32)[None, :], m)
+    rows = env[:, None]
+    source = streams.data if data is None else data
+    return jax.tree.map(lambda x: x.at[rows, slots].get(mode="promise_in_bounds"), source)

@@ -1,0 +1,21 @@
+"""The surface that dejax_eqx's compatibility layers (`dejax_eqx.compat`) build on.
+
+Not for applications: these names may change between releases without a deprecation period.
+They are the checks every public method uses at its door, and the operations behind those
+doors, under the names they have in the package. A layer over dejax_eqx imports only
+`dejax_eqx` and `dejax_eqx.internal`, never a module whose name starts with an underscore.
+"""
+
+from .._checks import (
+    check_faults as check_faults,
+    check_finite_float as check_finite_float,
+    check_positive_int as check_positive_int,
+    check_sequences as check_sequences,
+    is_concrete as is_concrete,
+    Prototype as Prototype,
+)
+from .._priorities import Priorities as Priorities, priority_mass as priority_mass
+from .._prioritised_trajectory import stamps_of as stamps_of
+from .._queue import extend_queue as extend_queue, pop_queue as pop_queue
+from .._sequences import draw_starts as draw_starts, phase as phase
+from .._windows import read_windows as read_windows
