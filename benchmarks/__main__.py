@@ -12,6 +12,11 @@ compilation cache, allocator state or thread pool. Inside it: one call to compil
 then `repeats` timed calls; the table gives the median with the min and max. Results go to
 `--out`: `results.json` (with the machine and its load average), `results.md`, `results.png`.
 
+To measure another version of `dejax_eqx` with these benchmarks (a before/after), put its
+checkout first on the path: `PYTHONPATH=/tmp/before python -m benchmarks --only W7 --out
+/tmp/before-run`. The workloads call the trajectory family through `_harness` in either API
+(0.1's sequence length and keywords, or 0.2's `dx.Window`/`dx.NStep`).
+
 Systems: `dejax_eqx`; `flashbax` 0.1.3; `raw`, the floor: the same work written directly in
 `jax.numpy` (preallocated arrays, a ring index, `.at[].set` scatters and gathers, no checks);
 `dejax` 0.1.3 where it is installed (its failure is recorded otherwise). Item: `{"obs":
@@ -30,17 +35,30 @@ f32[128], "action": i32[], "reward": f32[], "done": bool[]}` unless a workload s
 | W9 | a flashbax program, two imports: DQN (flat), R2D2 (prioritised) (flashbax_dropin) | steps/s |
 | W10 | Python loop of 2,000 adds from NumPy: 8 of 16 envs, 64 of 64 (actor_add) | µs/add |
 | W11 | 16 envs' steps to disk, 1,024 at a time, read back: Dataset, NumPy, Vault | MB/s |
+| W12 | 2,000 donated jax.jit steps from Python, 4 buffers, module vs leaves (dispatch) | µs/step |
 """
 
 import argparse
 import json
+import os
+import sys
 import time
 from pathlib import Path
+
+
+# `PYTHONPATH=<another checkout> python -m benchmarks` measures that checkout's dejax_eqx (the
+# "before" of a before/after; `results.json` records which `dejax_eqx` ran). `-m` puts the
+# working directory, this repository with its own dejax_eqx, ahead of PYTHONPATH; it goes
+# behind it here, before anything imports dejax_eqx. This package is already found, and its
+# modules are found through its own path, not `sys.path`.
+if os.environ.get("PYTHONPATH"):
+    sys.path.append(sys.path.pop(0))
 
 from . import (
     _harness as h,
     actor_add,
     datasets,
+    dispatch,
     flashbax_dropin,
     prioritised,
     prioritised_sequences,
@@ -62,6 +80,7 @@ WORKLOADS = {
     "W9": flashbax_dropin.w9,
     "W10": actor_add.w10,
     "W11": datasets.w11,
+    "W12": dispatch.w12,
 }
 
 
@@ -126,6 +145,16 @@ _W11 = tuple(
 )
 
 
+# W12: each buffer's step on the module (each row also times the step on the module's leaves,
+# `raw`, in the same process), with the error checks as host callbacks (the default) and as
+# NaNs (no callback: JAX's C++ dispatch), then each state's flatten and unflatten in Python
+# (flashbax's too).
+_W12 = (
+    *(f"dejax_eqx, {b}{e}" for e in ("", ", EQX_ON_ERROR=nan") for b in dispatch.BUFFERS),
+    *(f"{s}, {b} flatten" for b in dispatch.BUFFERS for s in ("dejax_eqx", "raw", "flashbax")),
+)
+
+
 def plan(quick: bool) -> list[tuple[str, str, int, int, int]]:
     """`(workload, system, size, steps, repeats)` of every measurement, in table order."""
     if quick:  # every code path, tiny sizes, one timed repeat: a smoke test, not a measurement
@@ -154,6 +183,7 @@ def plan(quick: bool) -> list[tuple[str, str, int, int, int]]:
             *[("W9", s, 16 * 40 * 4, 5, 1) for s in _W9_SYSTEMS],
             *[("W10", s, n, 20, 1) for s, n in _W10],
             *[("W11", s, 2048, 1, 1) for s in _W11],
+            *[("W12", s, 10_000, 20, 1) for s in _W12],
         ]
     r = 5
     return [
@@ -190,6 +220,7 @@ def plan(quick: bool) -> list[tuple[str, str, int, int, int]]:
         *[("W9", s, 102_400, 20_000 if "dqn" in s else 5_000, r) for s in _W9_SYSTEMS],
         *[("W10", s, n, 2000, r) for s, n in _W10],
         *[("W11", s, 16_384, 1, r) for s in _W11],
+        *[("W12", s, 100_000, 2000, r) for s in _W12],
     ]
 
 
@@ -217,11 +248,17 @@ def main(argv: list[str] | None = None) -> None:
     for workload, system, size, steps, repeats in runs:
         t = time.perf_counter()
         r = h.run_one(workload, system, size, steps, repeats)
+        also = r.pop("also", None)
         row = {"workload": workload, "system": system, "size": size, "steps": steps}
         row |= {"error": r["error"]} if "error" in r else {**h.summary(r["values"]), **r}
         results.append(row)
         shown = row.get("error") or f"{row['median']:.4g} {row['unit']}"
         print(f"  {workload} {system} {size:,}: {shown} ({time.perf_counter() - t:.0f} s)")
+        if also:  # a second system timed in the same process
+            other = {"workload": workload, "size": size, "steps": steps, **also}
+            results.append(other | h.summary(also["values"]))
+            shown = f"{results[-1]['median']:.4g} {also['unit']}"
+            print(f"  {workload} {also['system']} {size:,}: {shown} (the same process)")
     machine["load_after"] = h.load_average()
     machine["seconds"] = round(time.perf_counter() - start)
     table = h.write_results(args.out, machine, args.quick, results)

@@ -11,6 +11,11 @@ Timing comes in two shapes, and a workload must pick the one that matches what i
   donated, so XLA reads it in place. Returning it instead (to thread it through `time_steps`)
   makes XLA copy every leaf into a fresh output buffer on each call, which is what inflated W5's
   floor with max_length before this module existed.
+
+The trajectory family's windows and n-step transitions are described in the API of whichever
+`dejax_eqx` is imported (`sample_windows`, `sample_transitions`,
+`prioritised_trajectory_buffer`), so the same workloads measure the code before and after a
+change of that API.
 """
 
 import importlib.metadata
@@ -26,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import dejax_eqx as dx
 import jax
 import jax.numpy as jnp
 
@@ -75,6 +81,58 @@ def ring_slots(head, n: int, capacity: int) -> jax.Array:
 
 
 # ---------------------------------------------------------------------------------------------
+# The trajectory family's calls, in the API of the imported dejax_eqx
+#
+# dejax_eqx 0.2 describes a window by a `dx.Window` and an n-step transition by a `dx.NStep`;
+# 0.1 took a sequence length and keywords, which 0.2 still takes with a DeprecationWarning.
+# The workloads make these calls here only, so that the one harness runs clean on 0.2 and
+# still measures 0.1 for a before/after (`PYTHONPATH=<a checkout of 0.1> python -m
+# benchmarks ...`: the workers import that `dejax_eqx`).
+
+WINDOW_API = hasattr(dx, "Window")  # 0.2 and later
+
+
+def sample_windows(buf, key, batch_size: int, sequence_length: int, **options):
+    """`buf.sample` of `batch_size` windows with a learning part of `sequence_length` steps;
+    `options` are the window's (`burn_in`, `bootstrap`, `period`, `strict`, `episode_ends`,
+    `done`)."""
+    if WINDOW_API:
+        return buf.sample(key, batch_size, dx.Window(sequence_length, **options))
+    return buf.sample(key, batch_size, sequence_length, **options)
+
+
+def sample_transitions(buf, key, batch_size: int, n: int, *, discount: float, **leaves):
+    """`buf.sample_transitions` of `batch_size` `n`-step transitions; `leaves` names the
+    `reward`, `terminated` and (optionally) `truncated` leaves."""
+    if WINDOW_API:
+        return buf.sample_transitions(key, batch_size, dx.NStep(n, **leaves), discount=discount)
+    return buf.sample_transitions(key, batch_size, n, discount=discount, **leaves)
+
+
+def prioritised_trajectory_buffer(
+    prototype,
+    num_envs: int,
+    max_length: int,
+    sequence_length: int,
+    *,
+    burn_in: int = 0,
+    bootstrap: int = 0,
+    period: int = 1,
+    **kwargs,
+) -> dx.PrioritisedTrajectoryBuffer:
+    """A `dx.PrioritisedTrajectoryBuffer` of whole windows of `burn_in + sequence_length +
+    bootstrap` steps at starts every `period`; `kwargs` are its other arguments
+    (`priority_exponent`, `stratified`)."""
+    window = {"burn_in": burn_in, "bootstrap": bootstrap, "period": period}
+    if WINDOW_API:
+        window = dx.Window(sequence_length, **window, strict=True)
+        return dx.PrioritisedTrajectoryBuffer(prototype, num_envs, max_length, window, **kwargs)
+    return dx.PrioritisedTrajectoryBuffer(
+        prototype, num_envs, max_length, sequence_length, **window, **kwargs
+    )
+
+
+# ---------------------------------------------------------------------------------------------
 # Timing
 
 
@@ -91,6 +149,28 @@ def time_steps(step: Callable[[Any, Any], Any], state, repeats: int) -> list[flo
         start = time.perf_counter()
         state = jax.block_until_ready(step(state, jax.random.key(2 + r)))
         seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def time_interleaved(
+    runs: dict[str, tuple[Callable[[Any, Any], Any], Any]], repeats: int
+) -> dict[str, list[float]]:
+    """`time_steps` of each `name: (step, state)` of `runs` in one process, their repeats
+    interleaved (a, b, b, a, a, b, ...: each goes first as often): for systems whose
+    difference is smaller than the spread between processes (on the 2-core machine, one
+    process ran W12's prioritised trajectory step in 354 µs, another in 792 µs), compared by
+    the ratio of their repeats."""
+    states = {name: state for name, (_, state) in runs.items()}
+    for k in (0, 1):  # as `time_steps`: a step may change its state's types once
+        for name, (step, _) in runs.items():
+            states[name] = jax.block_until_ready(step(states[name], jax.random.key(k)))
+    seconds: dict[str, list[float]] = {name: [] for name in runs}
+    for r in range(repeats):
+        for name in list(runs)[:: 1 if r % 2 == 0 else -1]:
+            step = runs[name][0]
+            start = time.perf_counter()
+            states[name] = jax.block_until_ready(step(states[name], jax.random.key(2 + r)))
+            seconds[name].append(time.perf_counter() - start)
     return seconds
 
 
@@ -129,7 +209,9 @@ _SETTING = r"[A-Z][A-Z0-9_]*=\S+"  # an environment variable in a system's name
 
 def run_one(workload: str, system: str, size: int, steps: int, repeats: int) -> dict:
     """Run `python -m benchmarks --worker ...` in a fresh process and return what the workload
-    returned, or `{"error": ...}` if it failed (dejax on a new JAX).
+    returned, or `{"error": ...}` if it failed (dejax on a new JAX). A workload that times a
+    second system in the same process (W12, with `time_interleaved`) returns its row under
+    `"also"`: `{"system": ..., "values": ..., "unit": ...}`.
 
     A trailing `, NAME=value` in `system` (`"dejax_eqx jax.jit, EQX_ON_ERROR=nan"`) is set in
     the worker's environment, since libraries read such variables when they are imported.
@@ -147,7 +229,10 @@ def run_one(workload: str, system: str, size: int, steps: int, repeats: int) -> 
         lines = [line for line in out.stderr.strip().splitlines() if line.strip()]
         named = [line for line in lines if re.match(r"^[\w.]+(Error|Exception)\b", line)]
         return {"error": (named or lines or [f"exit status {out.returncode}"])[-1]}
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    if setting and "also" in result:  # it ran under the same setting
+        result["also"]["system"] += f", {setting[1]}"
+    return result
 
 
 def worker_system(system: str) -> str:
@@ -193,6 +278,9 @@ def machine() -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
         **{p: _version(p) for p in ("jax", "jaxlib", "equinox", "flashbax", "dejax_eqx", "dejax")},
+        # The installed version's number is reported above even when PYTHONPATH puts another
+        # checkout first (a before/after run); this says which code ran.
+        "dejax_eqx_file": dx.__file__,
         "load_before": load_average(),
     }
 

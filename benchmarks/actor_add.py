@@ -78,14 +78,8 @@ def _add_fn(system: str, num_envs: int):
             return state, eqx.filter_jit(add, donate="all")
         return state, jax.jit(add, donate_argnums=0)
     if system == "dejax_eqx prioritised, jax.jit":
-        state = dx.PrioritisedTrajectoryBuffer(
-            _prototype(),
-            num_envs=num_envs,
-            max_length=MAX_LENGTH,
-            sequence_length=16,
-            burn_in=8,
-            bootstrap=3,
-            period=8,
+        state = h.prioritised_trajectory_buffer(
+            _prototype(), num_envs, MAX_LENGTH, 16, burn_in=8, bootstrap=3, period=8
         )
         return state, jax.jit(lambda buf, s, i: buf.add(s, env_ids=i), donate_argnums=0)
     if system == "raw":

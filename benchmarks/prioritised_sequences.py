@@ -3,8 +3,9 @@
 
 Every system keeps `NUM_ENVS` streams of `size / NUM_ENVS` steps of `{"obs": f32[4],
 "reward": f32[]}` (a small item, so the buffers' own bookkeeping shows and memory stays
-modest), with windows of `SEQUENCE_LENGTH` steps at every start (`period=1`), priority exponent
-0.6. The system's name ends in the part of the workload it measures:
+modest), with whole windows of `SEQUENCE_LENGTH` steps at every start (`dx.Window(80,
+strict=True)`, through `_harness.prioritised_trajectory_buffer`), priority exponent 0.6. The
+system's name ends in the part of the workload it measures:
 
 - `, add 1` and `, add 2` (flashbax issue #62's setting): `steps` calls in one jitted, donating
   `lax.scan` from an empty buffer, each adding 1 or 2 steps to every env; the result is time
@@ -20,7 +21,6 @@ modest), with windows of `SEQUENCE_LENGTH` steps at every start (`period=1`), pr
   the same priorities, with no tree.
 """
 
-import dejax_eqx as dx
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -61,7 +61,7 @@ def _new_priorities(items) -> jax.Array:
 
 
 def _adds_dejax_eqx(max_length: int, per_call: int, steps: int):
-    buf = dx.PrioritisedTrajectoryBuffer(
+    buf = h.prioritised_trajectory_buffer(
         prototype(), NUM_ENVS, max_length, SEQUENCE_LENGTH, priority_exponent=PRIORITY_EXPONENT
     )
 
@@ -143,7 +143,7 @@ def _full_streams(max_length: int) -> dict[str, jax.Array]:
 
 
 def _learn_dejax_eqx(max_length: int, steps: int, stratified: bool):
-    buf = dx.PrioritisedTrajectoryBuffer(
+    buf = h.prioritised_trajectory_buffer(
         prototype(),
         NUM_ENVS,
         max_length,

@@ -6,23 +6,26 @@ wrapped) of `{"obs": f32[64], "reward": f32[], "terminated": bool[], "truncated"
 with episodes ending about every 200 steps. A sample is `BATCH_SIZE` windows of
 `WINDOW = 40 + 80 + 5 = 125` steps, an R2D2-like burn-in, learning part and bootstrap:
 
-- `dejax_eqx defaults` (a): `sample(key, 64, 125)`, the law of the sampler before issue 13.
-- `dejax_eqx period=40` (b): `sample(key, 64, 125, period=40)`.
+- `dejax_eqx defaults` (a): `sample(key, 64, dx.Window(125))`, the law of the sampler before
+  issue 13.
+- `dejax_eqx period=40` (b): `sample(key, 64, dx.Window(125, period=40))`.
 - `dejax_eqx strict period=40` (c): as (b), whole windows only (`strict=True`).
-- `dejax_eqx R2D2 truncate` (d): `sample(key, 64, 80, burn_in=40, bootstrap=5, period=40,
-  strict=True, episode_ends="truncate", done=("terminated", "truncated"))`.
+- `dejax_eqx R2D2 truncate` (d): `sample(key, 64, dx.Window(80, burn_in=40, bootstrap=5,
+  period=40, strict=True, episode_ends="truncate", done=("terminated", "truncated")))`.
 - `dejax_eqx R2D2 within` (e): as (d) with `episode_ends="within"`.
 - `raw`, the floor for (a)-(e): one gather per leaf of the `BATCH_SIZE` ring-wrapped windows at
   precomputed random `(env, start)` pairs from plain `[num_envs, max_length, ...]` arrays: no
   random draw, weights, mask or check, which any sampler must at least do.
-- `dejax_eqx, transitions n=5` (f): `sample_transitions(key, 256, 5, discount=0.99,
-  reward="reward", terminated="terminated", truncated="truncated")`.
+- `dejax_eqx, transitions n=5` (f): `sample_transitions(key, 256, dx.NStep(5,
+  reward="reward", terminated="terminated", truncated="truncated"), discount=0.99)`.
 - `raw, transitions n=5`, its floor: at 256 precomputed `(env, start)` pairs, the first and
   the next item and the 5 rewards and flags between them; no return is computed.
 
 What is timed, as in W5: `steps` samples inside one jitted `lax.scan`, every sampled leaf
 summed into the result, on a state that is passed in and neither returned nor donated. The
 dejax_eqx rows scan over `steps` keys; the raw rows over `steps` precomputed index sets.
+The calls go through `_harness.sample_windows` and `sample_transitions`, which also speak
+dejax_eqx 0.1's form (a sequence length or `n` and keywords) for before/after runs.
 """
 
 import dejax_eqx as dx
@@ -49,7 +52,7 @@ _R2D2 = {
     "strict": True,
     "done": _DONE,
 }
-# The keyword arguments of each option's `sample(key, BATCH_SIZE, sequence_length, ...)`.
+# Each option's `(sequence_length, options)`: it samples `dx.Window(sequence_length, **options)`.
 OPTIONS: dict[str, tuple[int, dict]] = {
     "defaults": (WINDOW, {}),
     "period=40": (WINDOW, {"period": PERIOD}),
@@ -163,7 +166,8 @@ def w7(system: str, max_length: int, steps: int, repeats: int) -> dict:
         state = full_buffer(max_length)
 
         def sample(buf, key):
-            return buf.sample_transitions(
+            return h.sample_transitions(
+                buf,
                 key,
                 TRANSITIONS,
                 N_STEP,
@@ -179,7 +183,7 @@ def w7(system: str, max_length: int, steps: int, repeats: int) -> dict:
         state = full_buffer(max_length)
 
         def sample(buf, key):
-            return buf.sample(key, BATCH_SIZE, sequence_length, **options)
+            return h.sample_windows(buf, key, BATCH_SIZE, sequence_length, **options)
 
         read = h.sampling_scan(sample, steps)
     else:

@@ -126,7 +126,7 @@ def w5(system: str, max_length: int, steps: int, repeats: int) -> dict:
         state = full_buffer(num_envs, max_length, obs_dim)
 
         def sample(buf, key):
-            return buf.sample(key, batch, seq)
+            return h.sample_windows(buf, key, batch, seq)
     elif system == "raw":
         state = full_arrays(num_envs, max_length, obs_dim)
 
