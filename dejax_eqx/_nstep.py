@@ -25,7 +25,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree, Shaped
 
 from ._checks import as_options, check_leaf, check_positive_int, LeafName, pick_leaf
 from ._sequences import draw_starts, Law
-from ._streams import gather_steps, Streams
+from ._streams import gather_at, Streams, window_slots
 
 
 class Transitions(NamedTuple):
@@ -207,21 +207,22 @@ def draw_transitions(
     law, power = Law(n + 1, strict=True), jnp.zeros((), jnp.float32)
     env, back, _ = draw_starts(key, lengths, zeros, batch_size, law, power)
 
+    # The slots of the n + 1 steps from the start: the rewards and end flags of the first n
+    # are gathered, then only the first step and the one to bootstrap from.
+    slots = window_slots(streams, env, back, n + 1)
+
     def steps(name):
-        return gather_steps(streams, env, back, n, data=pick_leaf(streams.data, name))
+        return gather_at(streams, env[:, None], slots[:, :n], data=pick_leaf(streams.data, name))
 
     ends = steps(nstep.terminated)
     cut = steps(nstep.truncated) if nstep.truncated is not None else jnp.zeros_like(ends)
     returns, factor, taken = n_step(steps(nstep.reward), ends, cut, gamma)
-
-    def one(distance):
-        return jax.tree.map(lambda x: x[:, 0], gather_steps(streams, env, distance, 1))
-
+    following = jnp.take_along_axis(slots, taken[:, None], axis=1)[:, 0]
     return Transitions(
-        first=one(back),
+        first=gather_at(streams, env, slots[:, 0]),
         returns=returns,
         discount=factor,
-        next=one(back - taken),
+        next=gather_at(streams, env, following),
         env=env,
         start=streams.step_count[env] - back,
     )

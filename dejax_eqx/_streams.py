@@ -419,6 +419,30 @@ def grow(
     return jnp.where(added, grown, lengths)
 
 
+def window_slots(
+    streams: Streams, env: Int[Array, " batch"], back: Int[Array, " batch"], size: int
+) -> Int[Array, "batch size"]:
+    """Per row, the slots of `size` consecutive steps of env `env` from its `back`-th newest
+    step (`back` in `[0, max_length]`; steps past the newest wrap into stale slots, for the
+    caller to mask)."""
+    m = streams.max_length
+    # back is in [0, m], so every term stays in [0, m].
+    first = ring_sub(streams.head[env], back, m)
+    return ring_add(first[:, None], jnp.arange(size, dtype=jnp.int32)[None, :], m)
+
+
+def gather_at(
+    streams: Streams,
+    env: Int[Array, "*#batch"],
+    slots: Int[Array, "*#batch"],
+    data: PyTree[Array] | None = None,
+) -> PyTree[Array]:
+    """The steps in `slots` of envs `env` (broadcast together; both in range). `data` is
+    `streams.data` or a part of it (one leaf, say) with the same two leading axes."""
+    source = streams.data if data is None else data
+    return jax.tree.map(lambda x: x.at[env, slots].get(mode="promise_in_bounds"), source)
+
+
 def gather_steps(
     streams: Streams,
     env: Int[Array, " batch"],
@@ -426,14 +450,6 @@ def gather_steps(
     size: int,
     data: PyTree[Array] | None = None,
 ) -> PyTree[Shaped[Array, "batch size ..."]]:
-    """Per row, `size` consecutive steps of env `env` from its `back`-th newest step (`back`
-    in `[0, max_length]`; steps past the newest wrap into stale slots, for the caller to mask).
-    Unchecked. `data` is `streams.data` or a part of it (one leaf, say) with the same two
-    leading axes."""
-    m = streams.max_length
-    # back is in [0, m], so every term stays in [0, m].
-    first = ring_sub(streams.head[env], back, m)
-    slots = ring_add(first[:, None], jnp.arange(size, dtype=jnp.int32)[None, :], m)
-    rows = env[:, None]
-    source = streams.data if data is None else data
-    return jax.tree.map(lambda x: x.at[rows, slots].get(mode="promise_in_bounds"), source)
+    """Per row, `size` consecutive steps of env `env` from its `back`-th newest step (as
+    `window_slots`). Unchecked."""
+    return gather_at(streams, env[:, None], window_slots(streams, env, back, size), data)
