@@ -304,7 +304,7 @@ def _fmt(x: float) -> str:
     return f"{x:.3g}"
 
 
-def _reference(rows: list[dict], r: dict, ref: str) -> dict | None:
+def reference(rows: list[dict], r: dict, ref: str) -> dict | None:
     """The row of system `ref` at the size of `r`, in the same variant: a variant of the
     workload (`"dejax_eqx, obs f32[16]"`) is compared with the reference's same variant only
     (`"raw, obs f32[16]"`), one of the environment (`"..., EQX_ON_ERROR=nan"`) with the plain
@@ -353,7 +353,7 @@ def report(results: list[dict]) -> str:
                 continue
             ratios = []
             for ref in ("raw", "flashbax"):
-                base = _reference(rows, r, ref)
+                base = reference(rows, r, ref)
                 if base is None or base is r or r["system"].startswith(("raw", "flashbax")):
                     ratios.append("")
                 else:
@@ -417,7 +417,7 @@ def plot(results: list[dict], path: Path) -> None:
                 labels.append(r["system"])
                 values.append(r["median"])
                 continue
-            ref = _reference(rows, r, "raw")
+            ref = reference(rows, r, "raw")
             if ref is None or r["system"].startswith("raw"):
                 continue
             labels.append(f"{r['system']}\n{r['size']:,}")
