@@ -15,7 +15,7 @@ import os
 import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, cast, TypeVar
 
 import equinox as eqx
 import jax
@@ -23,7 +23,7 @@ import jax.core
 import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import keystr, tree_flatten_with_path
-from jaxtyping import Array, ArrayLike, Bool, Int, PyTree, UInt32
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, PyTree, UInt32
 
 
 INT32_MAX = int(np.iinfo(np.int32).max)
@@ -89,7 +89,13 @@ def _check_float(value: Any, call: str) -> float:
         raise TypeError(
             f"`{call}` must be a Python float, got {value!r} of type {type(value).__name__}."
         )
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # a Python int past the largest float64
+        size = f"an int of {value.bit_length()} bits" if isinstance(value, int) else repr(value)
+        raise ValueError(
+            f"`{call}` must be finite, got a number too large for any float ({size})."
+        ) from None
 
 
 def check_finite_float(value: Any, call: str) -> float:
@@ -255,7 +261,10 @@ def check_items(
     first_path = None
     for (path, leaf), want in zip(flat_items, flat_spec):
         name = keystr(path)
-        if isinstance(leaf, bool | int | float | complex) and not batched:
+        # A NumPy float64 or complex128 scalar is also a Python float or complex, but has a
+        # dtype of its own: it is an array here, and must match.
+        python = isinstance(leaf, bool | int | float | complex) and not isinstance(leaf, np.generic)
+        if python and not batched:
             converted = _python_scalar(leaf, np.dtype(want.dtype))
             if converted is None:
                 raise ValueError(
@@ -453,10 +462,11 @@ def check_mask(mask: ArrayLike, n: int, call: str) -> Array:
     return jnp.asarray(mask)
 
 
-def check_vector(x: ArrayLike, n: int | None, call: str, name: str) -> Array:
-    """A one-axis array of `n` real entries (any length if `n` is None), as a JAX array.
+def check_vector(x: ArrayLike, n: int | None, call: str, name: str) -> Array | np.ndarray:
+    """A one-axis array of `n` real entries (any length if `n` is None), returned as given
+    (not converted: `as_float` converts it).
 
-    Integer and floating dtypes are accepted (not bool, not complex) and not converted.
+    Integer and floating dtypes are accepted (not bool, not complex).
     (Index vectors go through `check_index`.)
     """
     _array_like(x, call, name)
@@ -467,20 +477,23 @@ def check_vector(x: ArrayLike, n: int | None, call: str, name: str) -> Array:
             f"`{call}`: `{name}` has shape {shape}, expected {want}: one entry per item."
         )
     _check_real_dtype(x, call, name)
-    return jnp.asarray(x)
+    return cast(Array | np.ndarray, x)
 
 
-def check_real_scalar(x: ArrayLike, call: str, name: str) -> Array:
-    """A real scalar (integer or floating; not bool, not complex), as a JAX array."""
+def check_real_scalar(x: ArrayLike, call: str, name: str) -> ArrayLike:
+    """A real scalar (integer or floating; not bool, not complex), returned as given (not
+    converted: `as_float` converts it)."""
     _array_like(x, call, name)
     shape = tuple(np.shape(x))
     if shape != ():
         raise ValueError(f"`{call}`: `{name}` has shape {shape}, expected a scalar.")
     _check_real_dtype(x, call, name)
-    return jnp.asarray(x)
+    return x
 
 
 def _check_real_dtype(x: ArrayLike, call: str, name: str) -> None:
+    if isinstance(x, int | float) and not isinstance(x, bool):
+        return  # a Python number of any size (`jnp.result_type` refuses an int past int64)
     dtype = jnp.result_type(x)
     if isinstance(x, bool) or not (
         jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)
@@ -488,6 +501,57 @@ def _check_real_dtype(x: ArrayLike, call: str, name: str) -> None:
         raise TypeError(
             f"`{call}`: `{name}` has dtype {dtype}, expected a floating or integer dtype."
         )
+
+
+def as_float(
+    x: ArrayLike, dtype: Any, call: str, name: str, *, mask: ArrayLike | None = None
+) -> tuple[Float[Array, "*s"], list[Fault]]:
+    """The one conversion of a numeric argument to the float `dtype` it is used in:
+    `(converted, faults)`. `x` is a real array or scalar checked by `check_vector` or
+    `check_real_scalar`.
+
+    The value is converted from its own dtype, where its magnitude survives: a NumPy or
+    Python value in NumPy (an int64 `2**32` becomes float32 `4294967296.0`, where
+    `jnp.asarray` without 64-bit mode would first wrap it to the int32 0), a JAX array with
+    `astype`. Rounding to the precision of `dtype` is what every JAX operation does, and is
+    allowed; overflow is not. The fault holds where a finite value (a Python int of any size
+    included) becomes infinite in `dtype`; the converted value there is infinite, for the
+    caller's own checks to see. Entries where `mask` is False are not checked. `faults` is
+    empty when no value of the dtype of `x` can overflow (integers into float32, float32 into
+    float32): the hot paths, JAX arrays of float32, carry no extra check.
+    """
+    dtype = np.dtype(dtype)
+    message = (
+        f"`{call}`: `{name}` holds a finite value too large for {dtype}, the dtype it is used "
+        "in (it would become inf)"
+    )
+    if isinstance(x, jax.Array):
+        out = x.astype(dtype)
+        wider = (
+            jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).max > np.finfo(dtype).max
+        )
+        bad = (jnp.isfinite(x) & ~jnp.isfinite(out)) if wider else None
+    else:
+        if isinstance(x, int) and not isinstance(x, bool):
+            try:
+                value = np.asarray(float(x))
+            except OverflowError:  # past the largest float64: infinite in every float dtype
+                value = np.asarray(math.inf if x > 0 else -math.inf)
+            finite = np.asarray(True)
+        else:
+            value = np.asarray(x)
+            finite = np.isfinite(value)
+        with np.errstate(over="ignore", invalid="ignore"):
+            host = value.astype(dtype)
+        bad = finite & ~np.isfinite(host)
+        wider = value.dtype.kind == "f" and np.finfo(value.dtype).max > np.finfo(dtype).max
+        bad = bad if wider or bad.any() else None  # (a Python int past float64 is not wider)
+        out = jnp.asarray(host)
+    if bad is None:
+        return out, []
+    if mask is not None:
+        bad = bad & jnp.asarray(mask)
+    return out, [(bad, message)]
 
 
 def check_generations(generations: ArrayLike, n: int, call: str) -> UInt32[Array, " n"]:

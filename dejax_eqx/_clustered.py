@@ -271,6 +271,8 @@ class ClusteredReplay(AbstractReplay):
             ndim=1,
             length=(n, "cluster id"),
         )
+        # Checked here, converted by the inner replay (to the dtype of its priorities, from
+        # the values' own dtype: an int64 is not wrapped on the way).
         priorities = check_vector(priorities, n, call, "priorities")
         if generations is not None:
             generations = check_generations(generations, n, call)

@@ -5,11 +5,13 @@ priority bookkeeping."""
 from typing import Any, TypeVar
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, Integer, PRNGKeyArray, Real
 
 from ._checks import (
+    as_float,
     check_bool,
     check_faults,
     check_finite_float,
@@ -74,24 +76,28 @@ class Priorities(eqx.Module):
 
     def prepare(
         self,
-        priorities: Real[Array, " n"] | None,
+        priorities: Real[ArrayLike, "*n"] | None,
         n: int,
         call: str,
         *,
         mask: Bool[Array, " n"] | None = None,
+        name: str = "priorities",
     ) -> tuple[Float[Array, " n"], Float[Array, ""], list[Fault]]:
-        """For `n` items given `priorities` (checked in shape and dtype; `None`: the largest
+        """For `n` items given `priorities` (checked in shape and kind, not yet converted:
+        they are converted here, from their own dtype, by `as_float`; `None`: the largest
         recorded), `(masses, new max_priority, faults)`. Masked-out entries may hold
-        anything: they are neither checked nor recorded."""
+        anything: they are neither checked nor recorded. `name` names the argument."""
         if priorities is None:
             return jnp.broadcast_to(self.new_mass(), (n,)), self.max_priority, []
-        priorities = priorities.astype(self.max_priority.dtype)
+        dtype = self.max_priority.dtype
+        priorities, faults = as_float(priorities, dtype, call, name, mask=mask)
+        priorities = jnp.broadcast_to(priorities, (n,))
         if mask is not None:
             priorities = jnp.where(mask, priorities, 0)
         bad = ~(jnp.isfinite(priorities) & (priorities >= 0))
         top = jnp.maximum(self.max_priority, jnp.max(priorities, initial=0))
         fault = (bad, f"`{call}`: priorities must be finite and non-negative")
-        return self.mass(priorities), top, [fault]
+        return self.mass(priorities), top, [*faults, fault]
 
     def write(
         self: _P,
@@ -157,16 +163,20 @@ class HasPriorities(eqx.Module):
         return self.priorities.stratified
 
 
-def check_beta(beta: Real[ArrayLike, ""], call: str) -> tuple[Real[Array, ""], Fault]:
-    """An importance-weight exponent: a real scalar (checked at once; a Python number must be
-    finite and non-negative) and the fault of an array that is not."""
+def check_beta(
+    beta: Real[ArrayLike, ""], call: str, dtype: Any
+) -> tuple[Float[Array, ""], list[Fault]]:
+    """An importance-weight exponent: a real scalar (checked at once; a Python or NumPy number
+    must be finite and non-negative), converted to the float `dtype` of the probabilities it
+    weighs (`as_float`), and the faults of an array that is not finite and non-negative or
+    that `dtype` cannot hold."""
     if isinstance(beta, int | float | np.integer | np.floating):
         check_nonnegative_float(beta, f"{call}(beta=...)")
-    beta = check_real_scalar(beta, call, "beta")
-    return beta, (
-        ~(jnp.isfinite(beta) & (beta >= 0)),
-        f"`{call}`: `beta` must be finite and non-negative",
-    )
+    beta, faults = as_float(check_real_scalar(beta, call, "beta"), dtype, call, "beta")
+    return beta, [
+        *faults,
+        (~(jnp.isfinite(beta) & (beta >= 0)), f"`{call}`: `beta` must be finite and non-negative"),
+    ]
 
 
 def weights(
@@ -226,14 +236,16 @@ def importance_weights(
     # Python values are configuration, checked now; arrays are data, checked at run time.
     if isinstance(size, int | np.integer):
         check_positive_int(size, f"{call}(size=...)")
-    size = check_real_scalar(size, call, "size")
-    beta, beta_fault = check_beta(beta, call)
+    dtype = probabilities.dtype
+    size, size_faults = as_float(check_real_scalar(size, call, "size"), dtype, call, "size")
+    beta, beta_faults = check_beta(beta, call, dtype)
     return check_faults(
         weights(probabilities, size, beta),
         [
             (~(probabilities > 0), f"`{call}`: probabilities must be positive"),
+            *size_faults,
             (~(size > 0), f"`{call}`: `size` must be positive"),
-            beta_fault,
+            *beta_faults,
         ],
     )
 
@@ -257,11 +269,16 @@ def sequence_priorities(
     - `mask`: boolean array of the same shape, e.g. `SequenceSample.learn`.
     - `eta`: `η`, a Python float in `[0, 1]` (default 0.9).
 
-    **Returns:** an array of shape `(batch,)` in the dtype of `td_errors`, non-negative
-    where the masked-in errors are finite.
+    **Returns:** an array of shape `(batch,)` in the dtype of `td_errors` (as JAX has it: a
+    NumPy float64 is float32 without 64-bit mode), non-negative where the masked-in errors
+    are finite. A priority is at most the largest masked-in `|δ_t|` of its row, so it is
+    finite in that dtype whenever the errors are: it is computed in float32 or wider (for a
+    float16 `td_errors` too), and without a sum that could overflow (a float16 row of 60000s
+    has priority 60000, not inf).
 
     **Raises:** `TypeError`/`ValueError` at once for a non-floating `td_errors`, a non-bool
-    `mask`, shapes that differ or an `eta` outside `[0, 1]`.
+    `mask`, shapes that differ or an `eta` outside `[0, 1]`; an `eqx.error_if` error for a
+    finite NumPy `td_errors` too large for that dtype (a float64 past the float32 range).
 
     !!! Example
 
@@ -276,7 +293,9 @@ def sequence_priorities(
         ```
     """
     call = "sequence_priorities"
-    td_errors, mask = jnp.asarray(td_errors), jnp.asarray(mask)
+    # Not `jnp.asarray`: a NumPy float64 too large for float32 would become inf unseen.
+    td_errors = td_errors if isinstance(td_errors, jax.Array) else np.asarray(td_errors)
+    mask = jnp.asarray(mask)
     if not jnp.issubdtype(td_errors.dtype, jnp.floating):
         raise TypeError(f"`{call}`: `td_errors` must have a floating dtype, got {td_errors.dtype}.")
     if mask.dtype != jnp.bool_:
@@ -289,8 +308,18 @@ def sequence_priorities(
     eta = check_finite_float(eta, f"{call}(eta=...)")
     if not 0.0 <= eta <= 1.0:
         raise ValueError(f"`{call}(eta=...)` must be in [0, 1], got {eta}.")
-    size = jnp.sum(mask, axis=1, dtype=td_errors.dtype)
-    magnitude = jnp.where(mask, jnp.abs(td_errors), 0)
+    dtype = jax.dtypes.canonicalize_dtype(td_errors.dtype)
+    td_errors, faults = as_float(td_errors, dtype, call, "td_errors")
+    # In float32 at least (a float16 mean of long rows loses precision), and without a sum
+    # that could overflow where the answer does not (a float16 row of 60000s sums to inf):
+    # each error is divided by the row's count before the sum, and the mixture is written as
+    # the largest error less a non-negative part, so it never passes the largest error.
+    # (Scaling by the largest error instead fails on CPU: 1 / 3e38 is flushed to zero.)
+    wide = jnp.float32 if jnp.finfo(dtype).bits < 32 else dtype
+    magnitude = jnp.where(mask, jnp.abs(td_errors).astype(wide), 0)
     largest = jnp.max(magnitude, axis=1)
-    mean = jnp.sum(magnitude, axis=1) / jnp.maximum(size, 1)
-    return (eta * largest + (1 - eta) * mean).astype(td_errors.dtype)
+    size = jnp.maximum(jnp.sum(mask, axis=1, dtype=wide), 1)
+    mean = jnp.sum(magnitude / size[:, None], axis=1)
+    below = jnp.maximum(largest - mean, 0)
+    priority = jnp.where(jnp.isfinite(largest), largest - (1 - eta) * below, largest)
+    return check_faults(priority.astype(dtype), faults)

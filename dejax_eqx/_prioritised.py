@@ -184,9 +184,9 @@ class PrioritisedReplay(AbstractPrioritisedReplay, HasPriorities):
         call = "PrioritisedReplay.add"
         item, _ = check_items(self.item_spec, item, call, batched=False)
         if priority is not None:
-            priority = check_real_scalar(priority, call, "priority")[None]
+            priority = check_real_scalar(priority, call, "priority")
         storage, slot = write(self.storage, item)
-        return self._written(storage, slot[None], priority, call)
+        return self._written(storage, slot[None], priority, call, name="priority")
 
     def add_batch(
         self: _P,
@@ -224,13 +224,16 @@ class PrioritisedReplay(AbstractPrioritisedReplay, HasPriorities):
         self: _P,
         storage: CircularBuffer,
         slots: Int[Array, " n"],
-        priorities: Real[Array, " n"] | None,
+        priorities: Real[ArrayLike, "*n"] | None,
         call: str,
         mask: Bool[Array, " n"] | None = None,
+        name: str = "priorities",
     ) -> _P:
         """The replay with `storage`, into whose `slots` (distinct, or out of range where
-        dropped) items were just written: their priorities set, their generations advanced."""
-        masses, top, faults = self.priorities.prepare(priorities, slots.shape[0], call, mask=mask)
+        dropped) items were just written: their priorities set (checked, not yet converted),
+        their generations advanced."""
+        n = slots.shape[0]
+        masses, top, faults = self.priorities.prepare(priorities, n, call, mask=mask, name=name)
         # The check guards what the new replay is built from: the small vectors scattered
         # into the tree, and the new maximum. Not the tree or the storage: threading those
         # through a check could copy them.
@@ -267,7 +270,8 @@ class PrioritisedReplay(AbstractPrioritisedReplay, HasPriorities):
         masses, top, faults = self.priorities.prepare(priorities, n, call, mask=mask)
         index_fault = (
             bad if mask is None else bad & mask,
-            f"`{call}`: index out of range; every index must be a stored slot, 0 <= index < size",
+            f"`{call}`: index out of range; every index must satisfy 0 <= index < size (a "
+            "stored slot)",
         )
         slots, masses, top = check_faults((slots, masses, top), [index_fault, *faults])
         if current is not None:
@@ -300,8 +304,8 @@ class PrioritisedReplay(AbstractPrioritisedReplay, HasPriorities):
             [
                 (
                     bad | (slots >= self.storage.size),
-                    f"`{call}`: index out of range; every index must be a stored slot, "
-                    "0 <= index < size",
+                    f"`{call}`: index out of range; every index must satisfy 0 <= index < "
+                    "size (a stored slot)",
                 )
             ],
         )

@@ -5,11 +5,14 @@ import warnings
 from typing import Any, NamedTuple, TypeVar
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, Integer, PRNGKeyArray, PyTree, Real
 
 from ._abstract import AbstractTrajectoryBuffer
 from ._checks import (
+    as_float,
     check_faults,
     check_index,
     check_positive_int,
@@ -225,7 +228,7 @@ class PrioritisedTrajectoryBuffer(AbstractTrajectoryBuffer, HasPriorities):
         call = "PrioritisedTrajectoryBuffer.sample"
         batch_size = check_positive_int(batch_size, f"{call}(batch_size=...)")
         window = self.window if not options else _masking(self, options, call)
-        beta, beta_fault = check_beta(beta, call)
+        beta, beta_faults = check_beta(beta, call, self.priorities.max_priority.dtype)
         leaves, probabilities = self.priorities.draw(key, batch_size)
         env, start = stamps_of(self, leaves)
         # Only leaves of positive priority are drawn, so their windows are stored.
@@ -241,7 +244,7 @@ class PrioritisedTrajectoryBuffer(AbstractTrajectoryBuffer, HasPriorities):
             f"`{call}`: no window is admissible yet: no env holds {window.size} steps from a "
             f"start on a multiple of period = {window.period}",
         )
-        faults = [none, *self.priorities.sample_faults(call, "window"), beta_fault]
+        faults = [none, *self.priorities.sample_faults(call, "window"), *beta_faults]
         return check_faults(out, faults, order_reads=False)
 
     def set_priorities(
@@ -293,7 +296,10 @@ class PrioritisedTrajectoryBuffer(AbstractTrajectoryBuffer, HasPriorities):
         capacity = self.priorities.tree.capacity
         leaves, bad = check_index(indices, capacity, f"{call}(indices=...)")
         stamp = stamps_of(self, jnp.where(bad, 0, leaves))
-        message = f"`{call}`: an index is not a sum-tree leaf, 0 <= index < {capacity}"
+        message = (
+            f"`{call}`: index out of range; every index must satisfy 0 <= index < {capacity} "
+            "(a sum-tree leaf)"
+        )
         return check_faults(stamp, [(bad, message)])
 
     def window_masses(self) -> WindowMasses:
@@ -327,14 +333,21 @@ class PrioritisedTrajectoryBuffer(AbstractTrajectoryBuffer, HasPriorities):
                 f"`{call}`: `masses` has shape {tuple(jnp.shape(masses))}, expected (num_envs, "
                 f"leaves_per_env) = ({self.num_envs}, {k})."
             )
-        flat = check_vector(jnp.reshape(jnp.asarray(masses), -1), capacity, call, "masses")
+        # Reshaped where it is (not `jnp.asarray`, which would wrap an int64 mass first).
+        if isinstance(masses, jax.Array | np.ndarray):
+            masses = masses.reshape(-1)
+        flat = check_vector(masses, capacity, call, "masses")
         held = self.window_masses().held.reshape(-1)
         dtype = self.priorities.max_priority.dtype
-        flat = jnp.where(held, flat.astype(dtype), 0)
+        flat, faults = as_float(flat, dtype, call, "masses", mask=held)
+        flat = jnp.where(held, flat, 0)
         top = self.priorities.max_priority
         if max_priority is not None:
-            top = check_real_scalar(max_priority, call, "max_priority").astype(dtype)
-        faults = [
+            top, top_faults = as_float(
+                check_real_scalar(max_priority, call, "max_priority"), dtype, call, "max_priority"
+            )
+            faults += top_faults
+        faults += [
             (
                 ~(jnp.isfinite(flat) & (flat >= 0)),
                 f"`{call}`: masses must be finite and non-negative",

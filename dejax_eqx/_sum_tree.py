@@ -8,6 +8,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, Integer, Real
 
 from ._checks import (
+    as_float,
     check_faults,
     check_float_dtype,
     check_index,
@@ -173,26 +174,28 @@ class SumTree(eqx.Module):
 
         - `indices`: integer array of shape `(n,)`, each in `[0, capacity)`.
         - `values`: array of shape `(n,)`, each finite and non-negative; converted to the
-            tree's dtype.
+            tree's dtype from their own (an int64 `2**32` is `4294967296.0`, not wrapped).
         - `mask`: optional boolean array of shape `(n,)`: only the entries where it is `True`
             are set (then the last valid occurrence of an index wins).
 
         **Returns:** the new tree.
 
         **Raises:** an `eqx.error_if` error if an index is out of range or a value is negative,
-        infinite or NaN (among the entries that `mask` keeps).
+        infinite, NaN or too large for the tree's dtype (among the entries that `mask` keeps).
         """
         call = "SumTree.set"
         index, bad_index = check_index(indices, self.capacity, f"{call}(indices=...)", ndim=1)
         n = index.shape[0]
-        value = check_vector(values, n, call, "values").astype(self.nodes.dtype)
+        value = check_vector(values, n, call, "values")
         keep = None if mask is None else check_mask(mask, n, call)
         valid = jnp.ones(n, jnp.bool_) if keep is None else keep
+        value, faults = as_float(value, self.nodes.dtype, call, "values", mask=keep)
         # Guard the scatter's operands (small, and the new tree cannot be built without them),
         # not the tree itself: threading the whole tree through a check could copy it.
         index, value = check_faults(
             (index, value),
             [
+                *faults,
                 (
                     valid & bad_index,
                     f"`{call}`: index out of range; every index must satisfy 0 <= index < capacity",
@@ -221,9 +224,14 @@ class SumTree(eqx.Module):
         - `values`: array of shape `(n,)`, converted to the tree's dtype.
 
         **Returns:** int32 leaf indices of shape `(n,)`, in `[0, capacity)`.
+
+        **Raises:** an `eqx.error_if` error for a finite value too large for the tree's
+        dtype (a NumPy float64 past the float32 range).
         """
-        values = check_vector(values, None, "SumTree.find", "values")
-        return find_leaves(self, values.astype(self.nodes.dtype))[0]
+        call = "SumTree.find"
+        values = check_vector(values, None, call, "values")
+        values, faults = as_float(values, self.nodes.dtype, call, "values")
+        return check_faults(find_leaves(self, values)[0], faults)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int, Integer, PRNGKeyArray,
 
 from ._abstract import AbstractTrajectoryBuffer
 from ._checks import (
+    as_float,
     check_choice,
     check_faults,
     check_nonnegative_int,
@@ -182,9 +183,9 @@ class TrajectoryBuffer(AbstractTrajectoryBuffer):
         batch_size = check_positive_int(batch_size, f"{call}(batch_size=...)")
         window = self._window(window, options, call)
         source = check_choice(source, _SOURCES, f"{call}(source=...)")
-        power, power_fault = _power(distribution_power, call)
+        power, power_faults = _power(distribution_power, call)
         out = self._draw(key, source, batch_size, window, power)
-        faults = [power_fault, _no_start_fault(self, source, window, call)]
+        faults = [*power_faults, _no_start_fault(self, source, window, call)]
         return check_faults(out, faults, order_reads=False)
 
     def sample_mixed(
@@ -215,12 +216,12 @@ class TrajectoryBuffer(AbstractTrajectoryBuffer):
                 "at least one sequence."
             )
         window = self._window(window, options, call)
-        power, power_fault = _power(distribution_power, call)
+        power, power_faults = _power(distribution_power, call)
         keys: dict[Source, Array] = dict(zip(_SOURCES, jax.random.split(key)))
         drawn: list[Source] = [s for s in _SOURCES if sizes[s] > 0]
         parts = [self._draw(keys[s], s, sizes[s], window, power) for s in drawn]
         out = jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
-        faults = [power_fault] + [_no_start_fault(self, s, window, call) for s in drawn]
+        faults = [*power_faults] + [_no_start_fault(self, s, window, call) for s in drawn]
         return check_faults(out, faults, order_reads=False)
 
     def sample_transitions(
@@ -259,10 +260,11 @@ class TrajectoryBuffer(AbstractTrajectoryBuffer):
         nstep = as_nstep(nstep, options, call)
         nstep.check(self.item_spec, self.max_length, call)
         source = check_choice(source, _SOURCES, f"{call}(source=...)")
-        gamma = check_real_scalar(discount, call, "discount").astype(jnp.float32)
+        discount = check_real_scalar(discount, call, "discount")
+        gamma, faults = as_float(discount, jnp.float32, call, "discount")
         lengths = self.lengths(source)
         out = draw_transitions(key, self.streams, lengths, batch_size, nstep, gamma)
-        faults = [
+        faults += [
             (~((gamma >= 0) & (gamma <= 1)), f"`{call}`: `discount` must be in [0, 1]"),
             (
                 ~jnp.any(lengths > nstep.n),
@@ -337,9 +339,13 @@ class TrajectoryBuffer(AbstractTrajectoryBuffer):
         return read_windows(self.streams, env, back, window)
 
 
-def _power(distribution_power: Real[ArrayLike, ""], call: str) -> tuple[Array, Fault]:
-    power = check_real_scalar(distribution_power, call, "distribution_power").astype(jnp.float32)
-    return power, (~jnp.isfinite(power), f"`{call}`: `distribution_power` must be finite")
+def _power(distribution_power: Real[ArrayLike, ""], call: str) -> tuple[Array, list[Fault]]:
+    power = check_real_scalar(distribution_power, call, "distribution_power")
+    power, faults = as_float(power, jnp.float32, call, "distribution_power")
+    return power, [
+        *faults,
+        (~jnp.isfinite(power), f"`{call}`: `distribution_power` must be finite"),
+    ]
 
 
 def _no_start_fault(buffer: TrajectoryBuffer, source: Source, window: Window, call: str) -> Fault:

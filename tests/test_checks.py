@@ -185,3 +185,83 @@ def test_bad_mask(buf_and_names):
         getattr(buf, many)(_good(2), mask=jnp.ones(3, bool))
     with pytest.raises(TypeError, match="`mask` has dtype int32, expected bool|parameter 'mask'"):
         getattr(buf, many)(_good(2), mask=jnp.ones(2, jnp.int32))
+
+
+# ---------------------------------------------------------------------------------------------
+# Numeric arguments: converted from their own dtype (`as_float`), never wrapped or overflowed
+
+
+def test_as_float_converts_numpy_and_python_values_from_their_own_dtype():
+    from dejax_eqx.internal import as_float
+
+    # `jnp.asarray` without 64-bit mode would wrap the int64 2**32 to the int32 0 first.
+    for value, want in [
+        (np.int64(2**32), [2.0**32]),
+        (np.array([2**32, -(2**33) - 1], np.int64), [2.0**32, -(2.0**33)]),
+        (np.array([2**64 - 1], np.uint64), [2.0**64]),
+        (2**40, [2.0**40]),  # a Python int past int32 (JAX refuses it with an OverflowError)
+        (np.float64(0.5), [0.5]),
+        (jnp.asarray([7], jnp.int32), [7.0]),
+    ]:
+        out, faults = as_float(value, jnp.float32, "f", "x")
+        assert out.dtype == jnp.float32 and not any(np.any(c) for c, _ in faults)
+        assert np.asarray(out).reshape(-1).tolist() == want
+
+
+def test_as_float_reports_what_the_dtype_cannot_hold():
+    from dejax_eqx.internal import as_float
+
+    message = re.escape("`f(x=...)`: `x` holds a finite value too large for float32")
+    for value in [10**400, 2**200, 1e39, np.float64(-1e39), np.array([1.0, 1e39])]:
+        out, faults = as_float(value, jnp.float32, "f(x=...)", "x")
+        assert [m for _, m in faults] and re.match(message, faults[0][1])
+        assert bool(np.any(faults[0][0])) and not bool(np.all(np.isfinite(out)))
+    # A non-finite value is not an overflow: the caller's own check reports it.
+    ((bad, _),) = as_float(np.array([np.inf, np.nan]), jnp.float32, "f", "x")[1]
+    assert not np.any(bad)
+    # Values no float32 can fail to hold carry no check at all: the hot paths stay as they were.
+    for value in [np.int64(2**62), np.uint64(2**64 - 1), jnp.ones(2), jnp.ones(2, jnp.int32)]:
+        assert as_float(value, jnp.float32, "f", "x")[1] == []
+    # Masked-out entries are not checked.
+    (bad, _), *_ = as_float(
+        np.array([1e39, 1e39]), jnp.float32, "f", "x", mask=np.array([True, False])
+    )[1]
+    assert np.asarray(bad).tolist() == [True, False]
+    with jax.enable_x64(True):  # a JAX float64 array, converted by JAX, checked by JAX
+        out, faults = as_float(jnp.asarray([1e39, 1.0]), jnp.float32, "f", "x")
+        assert np.asarray(faults[0][0]).tolist() == [True, False]
+        assert as_float(jnp.asarray([2**40], jnp.int64), jnp.float32, "f", "x")[1] == []
+
+
+def test_a_python_int_too_large_for_any_float_names_the_argument():
+    # float(10**400) raises a bare OverflowError; the checks say which argument it was.
+    from dejax_eqx.internal import check_finite_float
+
+    with pytest.raises(ValueError, match=re.escape("`f(y=...)` must be finite, got a number too")):
+        check_finite_float(10**400, "f(y=...)")
+    # (Under the tests' import hook, an int where the annotation says float fails first.)
+    msg = re.escape("`ClusteredReplay(distribution_power=...)` must be finite")
+    with pytest.raises((ValueError, jaxtyping.TypeCheckError), match=msg + "|parameter"):
+        dx.ClusteredReplay(dx.UniformReplay(ITEM, 4), 2, lambda it: it["info"][0], 10**400)
+    msg = re.escape("`PrioritisedReplay(priority_exponent=...)` must be finite")
+    with pytest.raises((ValueError, jaxtyping.TypeCheckError), match=msg + "|parameter"):
+        dx.PrioritisedReplay(ITEM, 4, priority_exponent=10**400)
+    msg = re.escape("`importance_weights(beta=...)` must be finite, got a number too large for")
+    msg += r" any float \(an int of 1329 bits\)"
+    with pytest.raises(ValueError, match=msg):
+        dx.importance_weights(jnp.ones(2), 2, 10**400)
+
+
+def test_a_numpy_float64_scalar_in_an_item_is_not_a_python_float():
+    # np.float64 subclasses float, but has a dtype of its own: it must match, as an array does
+    # (before, it was rounded into the float32 leaf as a Python float would be).
+    buf = dx.UniformReplay(ITEM, 4)
+    item = {"obs": jnp.ones(3), "info": (np.int8(1),)}
+    buf.add(item)  # a NumPy scalar of the stored dtype
+    with pytest.raises(TypeError, match=re.escape("`['x']` has dtype float64, expected float32")):
+        dx.UniformReplay({"x": jnp.zeros(())}, 2).add({"x": np.float64(0.1)})
+    assert float(
+        dx.UniformReplay({"x": jnp.zeros(())}, 2)
+        .add({"x": 0.1})
+        .sample(jax.random.key(0), 1)["x"][0]
+    ) == np.float32(0.1)

@@ -329,6 +329,17 @@ def test_prioritised_inner_set_priorities_errors():
         uniform.set_priorities(jnp.asarray([0]), jnp.asarray([0]), good)
 
 
+def test_prioritised_inner_set_priorities_takes_priorities_in_their_own_dtype():
+    # An int64 priority of 2**32 is not wrapped to 0 on the way to the inner replay, which
+    # converts it; one too large for the inner tree's float32 is refused.
+    replay, _ = _prioritised(1.0)
+    ids, indices = np.array([0, 1]), np.array([0, 0])
+    replay = replay.set_priorities(ids, indices, np.array([2**32, 2**33], np.int64))
+    assert replay.clusters.max_priority.tolist()[:2] == [2.0**32, 2.0**33]
+    with pytest.raises(RuntimeError, match="`priorities` holds a finite value too large"):
+        replay.set_priorities(ids, indices, np.array([1e39, 1.0]))
+
+
 # ---------------------------------------------------------------------------------------------
 # Adding: batches equal sequential adds, ids are checked, never clipped.
 

@@ -23,6 +23,7 @@ import dejax_eqx.compat.flashbax as fbx
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from .helpers import python_blocks_with_lines
@@ -285,6 +286,9 @@ def _exercise_every_fault_site() -> None:
         ring.pop()
         uniform.add_batch(batch).sample(key, 2)
         tree.set(slots, ones).get(slots)
+        # NumPy float64 values, which could overflow float32: the only kind that is checked.
+        tree.find(np.ones(2))
+        dx.sequence_priorities(np.ones((2, 2)), jnp.ones((2, 2), bool))
         prioritised = prioritised.add_batch(batch, ones)
         sample = prioritised.set_priorities(slots, ones).sample(key, 2)
         prioritised.stale(sample.indices, sample.generations)

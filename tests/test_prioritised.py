@@ -624,3 +624,77 @@ def test_sequence_priorities_match_a_loop():
         dx.sequence_priorities(td_f, jnp.ones((2, 3)))
     with pytest.raises(Exception, match="must have a floating dtype|parameter 'td_errors'"):
         dx.sequence_priorities(jnp.zeros((2, 3), jnp.int32), mask_b)
+
+
+# ---------------------------------------------------------------------------------------------
+# Numeric arguments are converted from their own dtype: nothing wraps, nothing overflows unseen
+
+
+def test_priorities_are_not_wrapped_on_the_way_to_float():
+    # Without 64-bit mode `jnp.asarray` wraps an int64 2**32 to 0: the item would get mass 0
+    # and never be drawn.
+    big = 2.0**32
+    replay = dx.PrioritisedReplay(jnp.zeros(()), 4, priority_exponent=1.0)
+    replay = replay.add(jnp.zeros(()), np.int64(2**32))
+    replay = replay.add_batch(jnp.zeros(1), np.array([2**32], np.int64))
+    replay = replay.add(jnp.zeros(()), 2**40)  # a Python int past int32: no OverflowError
+    replay = replay.add_batch(jnp.zeros(1))
+    replay = replay.set_priorities(np.array([3], np.int64), np.array([2**33], np.int64))
+    assert replay.tree.leaves.tolist() == [big, big, 2.0**40, 2.0**33]
+    assert float(replay.max_priority) == 2.0**40
+
+
+def test_priorities_too_large_for_the_tree_are_refused_by_name():
+    replay = dx.PrioritisedReplay(jnp.zeros(()), 4).add_batch(jnp.zeros(2))
+    too_large = "holds a finite value too large for float32"
+    for call, run in [
+        ("`PrioritisedReplay.add`: `priority`", lambda: replay.add(jnp.zeros(()), 10**400)),
+        ("`PrioritisedReplay.add`: `priority`", lambda: replay.add(jnp.zeros(()), 1e39)),
+        (
+            "`PrioritisedReplay.add_batch`: `priorities`",
+            lambda: replay.add_batch(jnp.zeros(1), np.array([1e39])),
+        ),
+        (
+            "`PrioritisedReplay.set_priorities`: `priorities`",
+            lambda: replay.set_priorities(np.array([0]), np.array([-1e39])),
+        ),
+    ]:
+        with pytest.raises(RuntimeError, match=re.escape(f"{call} {too_large}")):
+            run()
+    # A masked-out entry may hold anything, a value too large for the tree included.
+    masked = replay.set_priorities(
+        np.array([0, 1]), np.array([1e39, 3.0]), mask=np.array([False, True])
+    )
+    assert masked.tree.leaves.tolist()[:2] == [1.0, pytest.approx(3.0**ALPHA, rel=1e-6)]
+
+
+def test_importance_weights_take_beta_and_size_in_their_own_dtype():
+    p = jnp.array([0.1, 0.4])
+    # beta = 2**32, not 0 (which would make every weight 1): the heavier item's weight is 0.
+    for beta in [np.int64(2**32), np.array(2**32, np.int64)]:
+        assert dx.importance_weights(p, 10, beta).tolist() == [1.0, 0.0]
+    # size = 2**32 + 5, not 5 (after normalising, N cancels: the weights are the same).
+    w = dx.importance_weights(p, np.array(2**32 + 5, np.int64), 1.0)
+    np.testing.assert_allclose(np.asarray(w), [1.0, 0.25], rtol=1e-6)
+    with pytest.raises(RuntimeError, match=re.escape("`importance_weights`: `beta` holds")):
+        dx.importance_weights(p, 10, np.array(1e39))
+
+
+def test_sequence_priorities_do_not_overflow_where_the_answer_fits():
+    # float16 holds 60000, but a float16 sum of four of them is inf.
+    td = jnp.full((2, 4), 60000.0, jnp.float16).at[1].set(-65504.0)
+    p = dx.sequence_priorities(td, jnp.ones((2, 4), bool), eta=0.5)
+    assert p.dtype == jnp.float16 and p.tolist() == [60000.0, 65504.0]
+    # The largest float32, and a mix: never above the largest error, never inf.
+    top = float(np.finfo(np.float32).max)
+    p = dx.sequence_priorities(
+        jnp.array([[top, top, top], [top, 0.0, -top]]), jnp.ones((2, 3), bool)
+    )
+    assert np.isfinite(np.asarray(p)).all() and float(p[0]) == top
+    np.testing.assert_allclose(float(p[1]), top * (0.9 + 0.1 * 2 / 3), rtol=1e-6)
+    # An inf or NaN error still gives an inf or NaN priority (refused by `set_priorities`).
+    p = dx.sequence_priorities(jnp.array([[jnp.inf, 1.0], [jnp.nan, 1.0]]), jnp.ones((2, 2), bool))
+    assert float(p[0]) == np.inf and np.isnan(float(p[1]))
+    # A float64 NumPy error too large for float32 (the dtype JAX gives it) is refused.
+    with pytest.raises(RuntimeError, match=re.escape("`sequence_priorities`: `td_errors` holds")):
+        dx.sequence_priorities(np.array([[1e39, 1.0]]), np.ones((1, 2), bool))

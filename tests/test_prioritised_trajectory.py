@@ -1,6 +1,8 @@
 """PrioritisedTrajectoryBuffer against its NumPy model: async adds, windows entering and
 leaving, samples, delayed (stale) priority updates."""
 
+import re
+
 import dejax_eqx as dx
 import equinox as eqx
 import hypothesis.strategies as st
@@ -266,7 +268,10 @@ def test_stamp_of_gives_the_stamps_of_drawn_leaves():
     assert env.tolist() == out.sample.env.tolist()
     assert start.tolist() == out.sample.start.tolist()
     capacity = buf.tree.capacity
-    with pytest.raises(RuntimeError, match="an index is not a sum-tree leaf"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"index out of range; every index must satisfy 0 <= index < \d+ \(a sum-tree leaf\)",
+    ):
         buf.stamp_of(np.asarray([0, capacity], np.int32))
 
 
@@ -354,3 +359,72 @@ def test_deprecated_forms_still_work_with_a_warning():
     for name, value in [("sequence_length", 2), ("burn_in", 1), ("bootstrap", 1), ("period", 2)]:
         with pytest.warns(DeprecationWarning, match=f"{name}` is deprecated; read `window"):
             assert getattr(old, name) == value == getattr(old.window, name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Numbers near the top of int32, and numeric arguments in their own dtype
+
+
+def _near_the_top(window_size=4, max_length=8):
+    """One env whose step count is 2**31 - 1, the most it holds: stamps near 2**31."""
+    window = dx.Window(window_size, strict=True)
+    buf = dx.PrioritisedTrajectoryBuffer(PROTOTYPE, 1, max_length, window, priority_exponent=1.0)
+    count = 2**31 - 1
+    steps = {
+        "env": jnp.zeros((1, max_length), jnp.int32),
+        "pos": jnp.arange(count - max_length, count, dtype=jnp.int32)[None],
+    }
+    streams = buf.streams.restore(steps, np.array([count]), np.array([max_length]))
+    return buf.with_streams(streams), count
+
+
+def test_stamps_near_2_31_do_not_overflow():
+    # `start + W <= count` overflows int32 for a start near 2**31: a window whose last step
+    # is not yet taken passed for a stored one, and its update was written to a leaf. The
+    # check is `start <= count - W`.
+    buf, count = _near_the_top()
+    env = np.zeros(1, np.int32)
+    for start in [count - 3, count - 2, count - 1]:  # taken, but not whole windows yet
+        with pytest.raises(RuntimeError, match="a stamp this buffer cannot have given"):
+            buf.set_priorities(env, np.array([start], np.int32), jnp.ones(1))
+    stale = buf.stale(np.zeros(3, np.int32), np.array([count - 9, count - 8, count - 1]))
+    assert stale.tolist() == [True, False, False]
+    # A stored window near the top takes its update, and samples stay among stored windows.
+    buf = buf.set_priorities(env, np.array([count - 4], np.int32), jnp.array([1000.0]))
+    out = buf.sample(jax.random.key(0), 64)
+    start = np.asarray(out.sample.start).astype(np.int64)
+    assert ((start >= count - 8) & (start <= count - 4)).all()
+    assert (start == count - 4).mean() > 0.9
+    items = np.asarray(out.sample.items["pos"]).astype(np.int64)
+    np.testing.assert_array_equal(items, start[:, None] + np.arange(4))
+
+
+def test_priorities_masses_and_beta_are_not_wrapped():
+    buf, model = _make(CONFIGS[1])
+    for _ in range(3):
+        buf = buf.add(_steps(model, [0, 1]))
+        model.add(unstack(_steps(model, [0, 1]), 2), [0, 1])
+    ids, starts = np.array([0, 1], np.int32), np.array([0, 1], np.int32)
+    big = buf.set_priorities(ids, starts, np.array([2**32, 1], np.int64))
+    assert float(big.max_priority) == 2.0**32  # not the int32 0
+    masses = big.window_masses()
+    assert float(masses.mass[0, 0]) == pytest.approx((2.0**32) ** ALPHA, rel=1e-6)
+    # beta = 2**32 (not 0, which would make every weight 1): the heavier windows weigh 0.
+    two = buf.set_priorities(ids, starts, np.array([2, 2], np.int64))
+    w = np.asarray(two.sample(jax.random.key(1), 64, beta=np.int64(2**32)).weights)
+    assert set(w.tolist()) == {0.0, 1.0}
+    # with_window_masses: int64 masses and max_priority, each in its own dtype.
+    m = np.where(np.asarray(masses.held), 1, 0).astype(np.int64)
+    m[0, 0] = 2**32
+    back = buf.with_window_masses(m, max_priority=np.int64(2**32 + 5))
+    assert float(back.tree.leaves[0]) == 2.0**32
+    assert float(back.max_priority) == float(np.float32(2**32 + 5))
+    call = "`PrioritisedTrajectoryBuffer.with_window_masses`"
+    with pytest.raises(RuntimeError, match=re.escape(f"{call}: `masses` holds a finite value")):
+        buf.with_window_masses(np.where(m > 0, 1e39, 0.0))
+    with pytest.raises(RuntimeError, match=re.escape(f"{call}: `max_priority` holds a finite")):
+        buf.with_window_masses(masses.mass, max_priority=10**400)
+    with pytest.raises(RuntimeError, match="`PrioritisedTrajectoryBuffer.set_priorities`: `pri"):
+        buf.set_priorities(ids, starts, np.array([1e39, 1.0]))
+    with pytest.raises(RuntimeError, match=re.escape("`PrioritisedTrajectoryBuffer.sample`: `b")):
+        buf.sample(jax.random.key(1), 4, beta=np.float64(1e39))

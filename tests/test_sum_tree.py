@@ -1,3 +1,5 @@
+import re
+
 import dejax_eqx as dx
 import equinox as eqx
 import hypothesis.strategies as st
@@ -367,3 +369,20 @@ def test_levels_read_through_slices_agree_with_the_loop(monkeypatch, small_bytes
         np.testing.assert_array_equal(a, b)
     check_structure(sliced[3])
     np.testing.assert_array_equal(sliced[2], sliced[0][sliced[1]])
+
+
+def test_values_are_converted_from_their_own_dtype():
+    # `jnp.asarray` without 64-bit mode wraps an int64 2**32 to 0 before the tree's float32.
+    tree = dx.SumTree(4).set(np.array([0, 1]), np.array([2**32, 2**33], np.int64))
+    assert tree.leaves.tolist() == [2.0**32, 2.0**33, 0.0, 0.0]
+    # find: an int64 target of 2**32 + 2**31 lies in leaf 1 (it wrapped to 2**31 - 2**32 < 0,
+    # which finds leaf 0).
+    assert tree.find(np.array([2**32 + 2**31], np.int64)).tolist() == [1]
+    too_large = "holds a finite value too large for float32"
+    with pytest.raises(RuntimeError, match=re.escape(f"`SumTree.set`: `values` {too_large}")):
+        tree.set(np.array([0]), np.array([1e39]))
+    with pytest.raises(RuntimeError, match=re.escape(f"`SumTree.find`: `values` {too_large}")):
+        tree.find(np.array([1e39]))
+    # Masked out, a value too large is not checked (nor written).
+    kept = tree.set(np.array([2, 3]), np.array([1e39, 1.0]), mask=np.array([False, True]))
+    assert kept.leaves.tolist() == [2.0**32, 2.0**33, 0.0, 1.0]

@@ -1,5 +1,7 @@
 """TrajectoryBuffer against its NumPy model: async adds, windows, peeks, sampled sequences."""
 
+import re
+
 import dejax_eqx as dx
 import equinox as eqx
 import hypothesis.strategies as st
@@ -664,6 +666,50 @@ def test_power_accepts_python_numbers_and_arrays():
     expected = sample(buf, key, jnp.asarray(2.0))
     for power in [2, np.float64(2.0)]:
         assert_tree_equal(sample(buf, key, power), expected)
+
+
+def test_power_and_discount_are_not_wrapped():
+    # Without 64-bit mode `jnp.asarray` wraps an int64: a power of 2**32 + 2 became 2 and a
+    # discount of 2**32 + 1 became 1, both accepted silently.
+    buf = dx.TrajectoryBuffer({**STEP, "r": jnp.zeros(())}, 1, 8)
+    buf = buf.extend(
+        {**jax.tree.map(lambda x: x[:, None].repeat(5, 1), _steps(1)), "r": jnp.ones((1, 5))}
+    )
+    key = jax.random.key(0)
+    huge = np.int64(2**32 + 2)
+    # A power of 2**32 draws only the windows of the most real steps (3, from starts 0..2).
+    assert buf.sample(key, 256, THREE, distribution_power=huge).mask.all()
+    assert buf.sample_mixed(key, 128, 128, THREE, huge).mask.all()
+    assert not buf.sample(key, 256, THREE, distribution_power=np.int64(2)).mask.all()
+    nstep = dx.NStep(2, reward="r", terminated="done")
+    for discount in [np.int64(2**32 + 1), np.array(2**32 + 1, np.int64)]:
+        with pytest.raises(RuntimeError, match=r"`discount` must be in \[0, 1\]"):
+            buf.sample_transitions(key, 4, nstep, discount=discount)
+    out = buf.sample_transitions(key, 4, nstep, discount=np.int64(1))
+    assert out.discount.dtype == jnp.float32
+    for call, run in [
+        ("sample", lambda p: buf.sample(key, 4, THREE, distribution_power=p)),
+        ("sample_mixed", lambda p: buf.sample_mixed(key, 2, 2, THREE, p)),
+    ]:
+        msg = re.escape(f"`TrajectoryBuffer.{call}`: `distribution_power` holds a finite value")
+        for power in [10**400, np.float64(1e39)]:  # 10**400: JAX's OverflowError named nothing
+            with pytest.raises(RuntimeError, match=msg):
+                run(power)
+    with pytest.raises(RuntimeError, match=re.escape("`discount` holds a finite value too")):
+        buf.sample_transitions(key, 4, nstep, discount=-(10**400))
+
+
+def test_restore_checks_counts_in_their_own_dtype():
+    # `Streams.restore` takes its counts through the index check: an int64 2**32 + 3 is out
+    # of range, not the count 3.
+    streams = dx.Streams(STEP, 1, 4)
+    steps = jax.tree.map(lambda x: x[:, None].repeat(4, 1), _steps(1))
+    with pytest.raises(RuntimeError, match=re.escape("`Streams.restore`: `ends` must be in")):
+        streams.restore(steps, np.array([2**32 + 3], np.int64), np.array([2], np.int64))
+    with pytest.raises(RuntimeError, match=re.escape("`Streams.restore`: `lengths` must be in")):
+        streams.restore(steps, np.array([3], np.int64), np.array([2**32 + 2], np.int64))
+    restored = streams.restore(steps, np.array([3], np.int64), np.array([2], np.int64))
+    assert restored.step_count.tolist() == [3] and restored.lengths.tolist() == [2]
 
 
 def test_bounded_counters_after_many_adds():

@@ -7,10 +7,16 @@ doors, under the names they have in the package. A layer over dejax_eqx imports 
 """
 
 from .._checks import (
+    as_float as as_float,
     check_faults as check_faults,
     check_finite_float as check_finite_float,
+    check_index as check_index,
+    check_items as check_items,
+    check_nonnegative_int as check_nonnegative_int,
     check_positive_int as check_positive_int,
     check_sequences as check_sequences,
+    check_vector as check_vector,
+    Fault as Fault,
     is_concrete as is_concrete,
     Prototype as Prototype,
 )
