@@ -1,30 +1,29 @@
 """On-disk datasets of per-env streams: zarr arrays written with tensorstore, and a manifest.
 
-A dataset is a directory:
+A dataset is a directory (its files: `_dataset_files.py`):
 
 - `manifest.json`: what the dataset holds (format, item spec, per-env first step and length,
-    priority metadata), replaced atomically (temporary file, `fsync`, rename, directory
-    `fsync`) as the last act of every write. It is the commit record: readers see exactly the
-    steps it counts.
+    priority metadata and segments, the digest of every array's metadata) and its own
+    SHA-256 checksum, replaced atomically (temporary file, `fsync`, rename, directory
+    `fsync`) as the last act of every write. It is the commit record: readers see exactly
+    the steps it counts.
 - `leaves/<i>/`: one zarr v3 array per leaf of a step, shape `(num_envs, 2**31 - 1,
-    *leaf_shape)`, chunked `(1, chunk_length, *leaf_shape)`. Chunks are only created when
-    written, so the huge time axis costs nothing, and a write never resizes an array.
-- `priority/`: a float32 zarr array `(num_envs, 2**31 - 1)`: at a window's first step, the
-    sum-tree mass of that window (`priority ** priority_exponent`) as of the last write; NaN
-    elsewhere. Written only from a `PrioritisedTrajectoryBuffer`.
+    *leaf_shape)`, chunked `(1, chunk_length, *leaf_shape)`, each chunk with a CRC-32C.
+    Chunks are only created when written, so the huge time axis costs nothing, and a write
+    never resizes an array.
+- `priorities/<n>/`: the priority segment of write `n`: the sum-tree masses of the windows
+    the buffer held then. Written only from a `PrioritisedTrajectoryBuffer`.
+- `writer.lock`: what a writer holds an OS lock on, so that one writes at a time.
 
 Why this is crash safe: tensorstore's file store writes every chunk to a temporary file and
 renames it into place, so a chunk is always either its old or its new version, and a chunk
-that holds committed steps keeps them either way. New steps go past the committed end; the
-manifest moves the end only after every chunk of a write is in place. A writer killed at any
-point leaves the dataset readable at its previous end, and the next write overwrites whatever
-the killed one left past it.
+that holds committed steps keeps them either way. New steps go past the committed end, new
+masses into a new segment; the manifest moves the end and lists the segment only after every
+chunk of a write is in place. A writer killed at any point leaves the dataset readable at its
+previous commit, and the next write overwrites whatever the killed one left past it.
 """
 
 import dataclasses
-import importlib.metadata
-import json
-import math
 import os
 from pathlib import Path
 from typing import Any, TypeVar
@@ -32,73 +31,47 @@ from typing import Any, TypeVar
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.tree_util import keystr, tree_flatten_with_path
-from jaxtyping import PRNGKeyArray, PyTree
+from jaxtyping import ArrayLike, Integer, PRNGKeyArray, PyTree
 
 from ._abstract import AbstractTrajectoryBuffer
 from ._checks import (
     as_prototype,
+    check_bool,
     check_positive_int,
     check_sequences,
     INT32_MAX,
+    is_concrete,
     Prototype,
 )
-from ._io import replace_atomically
+from ._dataset_files import (
+    commit,
+    describe,
+    Files,
+    leaves_text,
+    MANIFEST,
+    Manifest,
+    parse_manifest,
+    TIME_AXIS,
+    Writer,
+)
 from ._prioritised_trajectory import PrioritisedTrajectoryBuffer
 from ._sequences import draw_whole_windows, whole_windows
 from ._streams import gather_steps, Streams
 from ._windows import as_whole_window, mask_windows, SequenceSample, Window
 
 
-_FORMAT = 1
-_MANIFEST = "manifest.json"
-_TIME_AXIS = INT32_MAX  # as many steps as an env's int32 step count can number
 _B = TypeVar("_B", bound=AbstractTrajectoryBuffer)
+_Int = Integer[ArrayLike, ""]  # an env id or a step number: what `sample` returns too
 
 # A hook for the crash-safety tests: called after a write's chunks are in place and before
 # its manifest is committed. Never set outside tests.
 _BEFORE_COMMIT: Any = None
 
 
-def _tensorstore():
-    try:
-        import tensorstore
-    except ImportError as error:  # pragma: no cover - the tests install it
-        raise ImportError(
-            "`dejax_eqx.Dataset` needs tensorstore: pip install tensorstore (or the "
-            "`datasets` extra of dejax_eqx)."
-        ) from error
-    return tensorstore
-
-
 def _spec_of_like(like: Any, call: str) -> PyTree[jax.ShapeDtypeStruct]:
     if isinstance(like, AbstractTrajectoryBuffer):
         return like.item_spec
     return as_prototype(like, f"{call}(like=...)")
-
-
-def _describe(spec: PyTree[jax.ShapeDtypeStruct]) -> list[dict]:
-    return [
-        {"path": keystr(path), "shape": list(leaf.shape), "dtype": np.dtype(leaf.dtype).name}
-        for path, leaf in tree_flatten_with_path(spec)[0]
-    ]
-
-
-@dataclasses.dataclass
-class _Manifest:
-    num_envs: int
-    chunk_length: int
-    leaves: list[dict]
-    start: list[int]  # per env: the absolute step number of its first stored step
-    length: list[int]  # per env: the number of stored steps
-    writes: int = 0
-    # From a PrioritisedTrajectoryBuffer: {"priority_exponent", "period", "window",
-    # "max_priority"}; None until one is written.
-    priorities: dict | None = None
-
-    def to_json(self) -> dict:
-        out = {"format": _FORMAT, "library": importlib.metadata.version("dejax_eqx")}
-        return out | dataclasses.asdict(self)
 
 
 class Dataset:
@@ -123,22 +96,26 @@ class Dataset:
         prioritised buffer) its priorities, to continue training.
 
     Every write ends by replacing the manifest atomically, so a writer killed midway leaves
-    the dataset readable at its previous end. One writer at a time; readers may open the
-    dataset while it is written (they see the steps committed when they opened it).
+    the dataset readable at its previous end. Everything read is checked (the manifest's
+    checksum, each array's metadata digest, each chunk's CRC-32C); damage raises a
+    `ValueError` naming the file. One writer at a time, held by an OS lock from its first
+    write to `close()`; readers take no lock and see the steps committed when they opened it.
     """
 
     def __init__(
-        self, path: Path, manifest: _Manifest, spec: PyTree[jax.ShapeDtypeStruct], sync: bool
+        self,
+        path: Path,
+        manifest: Manifest,
+        raw: bytes,
+        spec: PyTree[jax.ShapeDtypeStruct],
+        sync: bool,
+        call: str,
     ):
         self._path = path
         self._manifest = manifest
         self._spec = spec
-        self._sync = sync
-        ts = _tensorstore()
-        context = ts.Context({"file_io_sync": sync})
-        specs = _array_specs(path, manifest)
-        self._leaves = [ts.open(x, open=True, context=context).result() for x in specs[:-1]]
-        self._priority = ts.open(specs[-1], open=True, context=context).result()
+        self._files = Files(path, manifest, sync, call)
+        self._writer = Writer(path, raw, sync, manifest.format)
 
     @classmethod
     def create(
@@ -162,44 +139,55 @@ class Dataset:
             `True`), so that a committed write survives a power loss too. `False` is several
             times faster; a killed process still leaves the dataset readable at its previous
             write, but a power loss may lose or tear recently committed steps.
+
+        Every argument is checked before anything is made on disk; if making the dataset
+        fails, what was made is removed.
         """
         call = "Dataset.create"
         spec = _spec_of_like(prototype, call)
         num_envs = check_positive_int(num_envs, f"{call}(num_envs=...)")
         chunk_length = check_positive_int(chunk_length, f"{call}(chunk_length=...)")
-        path = Path(path)
+        sync = check_bool(sync, f"{call}(sync=...)")
+        path = _as_path(path, call)
         if path.exists():
             raise FileExistsError(f"`{call}`: {str(path)!r} already exists.")
-        manifest = _Manifest(
-            num_envs=num_envs,
-            chunk_length=chunk_length,
-            leaves=_describe(spec),
-            start=[0] * num_envs,
-            length=[0] * num_envs,
-        )
+        manifest = Manifest(num_envs, chunk_length, describe(spec), [0] * num_envs, [0] * num_envs)
         path.mkdir(parents=True)
-        ts = _tensorstore()
-        for spec_ in _array_specs(path, manifest):
-            ts.open(spec_, create=True).result()
-        _commit(path, manifest, sync)
-        return cls(path, manifest, spec, sync)
+        try:
+            manifest.digests = Files.create(path, manifest)
+            raw = commit(path, manifest, sync)
+            return cls(path, manifest, raw, spec, sync, call)
+        except BaseException:
+            _remove_new(path)
+            raise
 
     @classmethod
     def open(cls, path: str | os.PathLike, like: Any, *, sync: bool = True) -> "Dataset":
         """Open the dataset at `path`. `like` is the prototype of a step, or a buffer: the
         dataset must hold steps of exactly its structure, shapes and dtypes. `sync` is as for
-        `create`, for the writes made through this object."""
+        `create`, for the writes made through this object.
+
+        **Raises:** `FileNotFoundError`/`NotADirectoryError` if `path` is not a dataset,
+        `ValueError` if its manifest or an array's metadata is damaged (naming the file) or
+        its steps are not `like`'s.
+        """
         call = "Dataset.open"
         spec = _spec_of_like(like, call)
-        path = Path(path)
-        manifest = _read_manifest(path, call)
-        expected = _describe(spec)
-        if manifest.leaves != expected:
-            raise ValueError(
-                f"`{call}`: {str(path)!r} holds steps {_leaves_text(manifest.leaves)}, but "
-                f"`like` describes {_leaves_text(expected)}."
-            )
-        return cls(path, manifest, spec, sync)
+        sync = check_bool(sync, f"{call}(sync=...)")
+        path = _as_path(path, call)
+        manifest, raw = _read_manifest(path, describe(spec), call)
+        return cls(path, manifest, raw, spec, sync, call)
+
+    def close(self) -> None:
+        """Release the writer's lock, if this object holds it. The object still reads; a
+        later write takes the lock again (and refuses if another writer committed since)."""
+        self._writer.close()
+
+    def __enter__(self) -> "Dataset":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     @property
     def path(self) -> Path:
@@ -243,15 +231,17 @@ class Dataset:
     def append(self, steps: PyTree, env_ids: Any = None) -> None:
         """Append `T` steps to each listed env: leaves `[n, T, ...]`, oldest first, as for
         `TrajectoryBuffer.extend`; `env_ids` distinct ids in `[0, num_envs)`, `None` for
-        every env in order.
+        every env in order. Call it on the host, outside `jit`.
 
         **Raises:** `ValueError`/`TypeError` for steps that do not match the dataset
-        (structure, shape, dtype: nothing is cast), bad env ids, or an env that would pass
-        `2**31 - 1` steps. Nothing is written then.
+        (structure, shape, dtype: nothing is cast), traced steps, bad env ids, or an env
+        that would pass `2**31 - 1` steps; `RuntimeError` if another writer holds the
+        dataset or committed since this object read it. Nothing is written then.
         """
         call = "Dataset.append"
         # Checked only: the steps go from where they are to disk, not through a device.
         items, n, length = check_sequences(self._spec, steps, call, convert=False)
+        _check_host(items, call, "the steps")
         rows = _env_ids(env_ids, n, self.num_envs, call)
         if length == 0 or n == 0:
             return
@@ -259,21 +249,22 @@ class Dataset:
         new = np.zeros(self.num_envs, np.int64)
         new[rows] = length
         _check_count(self.ends, new, call)
-        _write_steps(
-            self._leaves, self.lengths, {int(e): [x[i] for x in host] for i, e in enumerate(rows)}
-        )
+        self._writer.begin(call)
+        per_env = {int(e): [x[i] for x in host] for i, e in enumerate(rows)}
+        self._files.write(self.lengths, per_env, call)
         manifest = dataclasses.replace(
             self._manifest, length=(self.lengths + new).tolist(), writes=self._manifest.writes + 1
         )
-        self._commit(manifest)
+        self._commit(manifest, call)
 
     def write(self, buffer: AbstractTrajectoryBuffer) -> int:
         """Append the steps each env of `buffer` took since the previous write; return how
-        many were written.
+        many were written. Call it on the host, between jitted steps.
 
         The first write of a dataset starts each env at the oldest step the buffer still
         holds. From a `PrioritisedTrajectoryBuffer`, every write also stores the priority of
-        each window the buffer holds (as of now) and its `max_priority`.
+        each window the buffer holds (as of now, in a new segment: what was committed before
+        is never rewritten) and its `max_priority`.
 
         **Raises:** `ValueError`, writing nothing, if:
 
@@ -285,61 +276,55 @@ class Dataset:
             `max_length` steps of each env;
         - the prioritised metadata (priority exponent, period, window) differs from that of
             the buffer written before.
+
+        `TypeError` for a traced or abstract buffer, and `RuntimeError` as for `append`.
         """
         call = "Dataset.write"
         t = _streams_of(buffer, self._manifest, call, "the buffer")
+        _check_host(t, call, "the buffer's leaves")
         count = np.asarray(t.step_count, np.int64)
         stored = np.asarray(t.lengths, np.int64)
         manifest = self._manifest
         if manifest.writes == 0 and not self.lengths.any():
             manifest = dataclasses.replace(manifest, start=(count - stored).tolist())
-        end = np.asarray(manifest.start, np.int64) + self.lengths
-        new = _new_steps(count, stored, end, t.max_length, call)
-        priorities = manifest.priorities
-        if isinstance(buffer, PrioritisedTrajectoryBuffer):
+        start = np.asarray(manifest.start, np.int64)
+        new = _new_steps(count, stored, start + self.lengths, t.max_length, call)
+        prioritised = isinstance(buffer, PrioritisedTrajectoryBuffer)
+        if prioritised:
             _check_priorities(manifest, buffer, call, "the buffer's")
-            priorities = _priority_settings(buffer) | {"max_priority": float(buffer.max_priority)}
+            settings = _priority_settings(buffer) | {"max_priority": float(buffer.max_priority)}
+            manifest = dataclasses.replace(manifest, priorities=settings)
         _check_count(self.ends, new, call)
+        self._writer.begin(call)
         steps = _newest(t, new)
         per_env = {int(e): [x[e, : new[e]] for x in steps] for e in np.flatnonzero(new)}
-        _write_steps(self._leaves, self.lengths, per_env)
-        if isinstance(buffer, PrioritisedTrajectoryBuffer):
-            _write_masses(self._priority, buffer, np.asarray(manifest.start, np.int64))
+        self._files.write(self.lengths, per_env, call)
+        if prioritised:
+            manifest = _with_segment(self._files, manifest, buffer, start, call)
         manifest = dataclasses.replace(
-            manifest,
-            length=(self.lengths + new).tolist(),
-            writes=manifest.writes + 1,
-            priorities=priorities,
+            manifest, length=(self.lengths + new).tolist(), writes=manifest.writes + 1
         )
-        self._commit(manifest)
+        self._commit(manifest, call)
         return int(new.sum())
 
-    def _commit(self, manifest: _Manifest) -> None:
+    def _commit(self, manifest: Manifest, call: str) -> None:
         if _BEFORE_COMMIT is not None:
             _BEFORE_COMMIT(self)
-        _commit(self._path, manifest, self._sync)
+        self._writer.commit(manifest, call)
         self._manifest = manifest
 
-    def read(self, env: int, start: int, stop: int) -> PyTree[np.ndarray]:
+    def read(self, env: _Int, start: _Int, stop: _Int) -> PyTree[np.ndarray]:
         """The steps `start .. stop - 1` (absolute step numbers) of env `env`, as NumPy arrays
-        with a leading axis of `stop - start`.
+        with a leading axis of `stop - start`. The bounds are ints (Python, NumPy or JAX
+        integer scalars, such as a `sample`'s `start`).
 
-        **Raises:** `ValueError` if the range is not within the env's stored steps.
+        **Raises:** `TypeError` for a bound that is not an int, `ValueError` if the range is
+        not within the env's stored steps or a chunk it reads is damaged.
         """
-        env, first = self._range(env, start, stop, "Dataset.read")
-        out = [a[env, start - first : stop - first].read().result() for a in self._leaves]
+        call = "Dataset.read"
+        env, start, stop, first = _range(self._manifest, env, start, stop, call)
+        out = self._files.read(env, start - first, stop - first, call)
         return jax.tree.unflatten(jax.tree.structure(self._spec), out)
-
-    def _range(self, env: Any, start: int, stop: int, call: str) -> tuple[int, int]:
-        """The checked env and its first stored step, for steps `start .. stop - 1`."""
-        env = _env_index(env, self.num_envs, call)
-        first, end = int(self.starts[env]), int(self.ends[env])
-        if not (first <= start <= stop <= end):
-            raise ValueError(
-                f"`{call}`: steps {start} .. {stop - 1} of env {env} are not all stored; it "
-                f"holds steps {first} .. {end - 1} ({end - first} steps)."
-            )
-        return env, first
 
     def sample(
         self, key: PRNGKeyArray, batch_size: int, window: Window | int, **options: Any
@@ -367,19 +352,21 @@ class Dataset:
         env, start = draw_whole_windows(key, first, number, window.period, batch_size)
         offsets = (start - self.starts[env])[:, None] + np.arange(window.size)[None, :]
         rows = np.broadcast_to(env[:, None], offsets.shape)
-        out = [jnp.asarray(a.vindex[rows, offsets].read().result()) for a in self._leaves]
+        out = [jnp.asarray(x) for x in self._files.read_points(rows, offsets, call)]
         items = jax.tree.unflatten(jax.tree.structure(self._spec), out)
         full = jnp.full(batch_size, window.size, jnp.int32)
         return mask_windows(
             items, full, window, jnp.asarray(env, jnp.int32), jnp.asarray(start, jnp.int32)
         )
 
-    def priorities(self, env: int, start: int, stop: int) -> np.ndarray:
+    def priorities(self, env: _Int, start: _Int, stop: _Int) -> np.ndarray:
         """The stored sum-tree masses (`priority ** priority_exponent`) of the windows that
-        start at steps `start .. stop - 1` of env `env`: float32, NaN where no window starts
-        or none was written from a prioritised buffer."""
-        env, first = self._range(env, start, stop, "Dataset.priorities")
-        return self._priority[env, start - first : stop - first].read().result()
+        start at steps `start .. stop - 1` of env `env`, each as of the last write whose
+        buffer held it: float32, NaN where no window starts or none was written from a
+        prioritised buffer."""
+        call = "Dataset.priorities"
+        env, start, stop, _ = _range(self._manifest, env, start, stop, call)
+        return self._files.masses(self._manifest, env, np.arange(start, stop), call)
 
     def load(self, like: _B) -> _B:
         """A buffer of `like`'s type and configuration holding each env's newest steps (up to
@@ -394,7 +381,7 @@ class Dataset:
 
         **Raises:** `ValueError` if `like`'s steps or number of envs differ from the
         dataset's, or its priority exponent, period or window from those the priorities
-        were written with.
+        were written with, or a chunk it reads is damaged.
         """
         call = "Dataset.load"
         template = _streams_of(like, self._manifest, call, "`like`")
@@ -406,29 +393,79 @@ class Dataset:
             for leaf in self._manifest.leaves
         ]
         for e in np.flatnonzero(kept):
-            values = self.read(int(e), int(ends[e] - kept[e]), int(ends[e]))
-            for out, x in zip(data, jax.tree.leaves(values)):
+            lo = int(self.lengths[e] - kept[e])
+            values = self._files.read(int(e), lo, int(self.lengths[e]), call)
+            for out, x in zip(data, values):
                 out[e, : kept[e]] = x
         steps = jax.tree.unflatten(jax.tree.structure(self._spec), data)
         buffer = like.with_streams(template.restore(steps, ends, kept))
         if isinstance(buffer, PrioritisedTrajectoryBuffer):
-            buffer = self._load_priorities(buffer)
+            buffer = _load_priorities(self._files, self._manifest, buffer, call)
         return buffer  # type: ignore[return-value]
 
-    def _load_priorities(self, buffer: PrioritisedTrajectoryBuffer) -> PrioritisedTrajectoryBuffer:
-        """`buffer` (fresh from `with_streams`) with the stored masses of its windows."""
-        meta = self._manifest.priorities
-        top = jnp.asarray(1.0 if meta is None else meta["max_priority"], buffer.max_priority.dtype)
-        # Windows without a stored mass get the largest priority's, as new windows do.
-        shape = (buffer.num_envs, buffer.leaves_per_env)
-        masses = np.array(jnp.broadcast_to(buffer.priorities.mass(top), shape))
-        for e, starts, _, leaves in _held_windows(buffer, self.starts):
-            stored = self._priority[e].vindex[starts - self.starts[e]].read().result()
-            masses[e, leaves] = np.where(np.isnan(stored), masses[e, leaves], stored)
-        return buffer.with_window_masses(masses, max_priority=top)
+
+def _range(
+    manifest: Manifest, env: Any, start: Any, stop: Any, call: str
+) -> tuple[int, int, int, int]:
+    """The checked env and bounds of a range of steps, and the env's first stored step."""
+    env = _as_int(env, call, "env")
+    if not 0 <= env < manifest.num_envs:
+        raise ValueError(
+            f"`{call}`: env {env} is out of range; 0 <= env < num_envs = {manifest.num_envs}."
+        )
+    start, stop = _as_int(start, call, "start"), _as_int(stop, call, "stop")
+    first, end = manifest.start[env], manifest.start[env] + manifest.length[env]
+    if not (first <= start <= stop <= end):
+        raise ValueError(
+            f"`{call}`: steps {start} .. {stop - 1} of env {env} are not all stored; it "
+            f"holds steps {first} .. {end - 1} ({end - first} steps)."
+        )
+    return env, start, stop, first
 
 
-def _streams_of(buffer: Any, manifest: _Manifest, call: str, what: str) -> Streams:
+def _as_path(path: Any, call: str) -> Path:
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"`{call}(path=...)` must be a str or os.PathLike, got {path!r}.")
+    return Path(path)
+
+
+def _remove_new(path: Path) -> None:
+    """Remove the dataset `create` was making at `path` (its directory, which it made)."""
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _as_int(value: Any, call: str, name: str) -> int:
+    """A step number or env id given as a Python, NumPy or JAX integer scalar (what `sample`
+    returns), as an int; never a bool, a float or a traced value."""
+    if isinstance(value, jax.Array | np.ndarray | np.generic) and is_concrete(value):
+        if value.shape == () and np.issubdtype(value.dtype, np.integer):
+            return int(value)
+    elif isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise TypeError(
+        f"`{call}({name}=...)` must be an int (a Python int, or a NumPy or JAX integer "
+        f"scalar), got {value!r}."
+    )
+
+
+def _check_host(tree: PyTree, call: str, what: str) -> None:
+    """Refuse traced or abstract values: a dataset is written on the host, outside `jit`."""
+    for x in jax.tree.leaves(tree):
+        if not is_concrete(x):
+            raise TypeError(
+                f"`{call}`: {what} are traced: a dataset is written on the host, outside "
+                "`jit`; call it between jitted steps."
+            )
+        if not isinstance(x, jax.Array | np.ndarray | np.generic):
+            raise TypeError(
+                f"`{call}`: {what} include a {type(x).__name__}, not an array: an abstract "
+                "buffer (from `eqx.filter_eval_shape`) has no steps to write."
+            )
+
+
+def _streams_of(buffer: Any, manifest: Manifest, call: str, what: str) -> Streams:
     """The per-env streams of `buffer`, checked against the dataset's."""
     if not isinstance(buffer, AbstractTrajectoryBuffer):
         raise TypeError(
@@ -441,53 +478,13 @@ def _streams_of(buffer: Any, manifest: _Manifest, call: str, what: str) -> Strea
         raise ValueError(
             f"`{call}`: the buffer has {t.num_envs} envs, the dataset {manifest.num_envs}."
         )
-    found = _describe(t.item_spec)
+    found = describe(t.item_spec)
     if found != manifest.leaves:
         raise ValueError(
-            f"`{call}`: the buffer's steps are {_leaves_text(found)}, the dataset's "
-            f"{_leaves_text(manifest.leaves)}."
+            f"`{call}`: the buffer's steps are {leaves_text(found)}, the dataset's "
+            f"{leaves_text(manifest.leaves)}."
         )
     return t
-
-
-def _write_steps(arrays: list, lengths: np.ndarray, per_env: dict[int, list[np.ndarray]]) -> None:
-    """Write each env's new steps past its committed end (`lengths`), all chunks concurrently."""
-    futures = []
-    for e, leaves in per_env.items():
-        at = int(lengths[e])
-        for array, x in zip(arrays, leaves):
-            futures.append(array[e, at : at + x.shape[0]].write(x))
-    for f in futures:
-        f.result()
-
-
-def _write_masses(array: Any, buffer: PrioritisedTrajectoryBuffer, start: np.ndarray) -> None:
-    """The mass of every window the buffer holds, at its first step's position."""
-    futures = [
-        array[e].vindex[starts - start[e]].write(masses.astype(np.float32))
-        for e, starts, masses, _ in _held_windows(buffer, start)
-    ]
-    for f in futures:
-        f.result()
-
-
-def _array_specs(path: Path, manifest: _Manifest) -> list[dict]:
-    """The tensorstore specs of the dataset's arrays: one per leaf, then the priorities."""
-    priority = {"shape": [], "dtype": "float32"}
-    named = [(f"leaves/{i}", leaf, None) for i, leaf in enumerate(manifest.leaves)]
-    out = []
-    for name, leaf, fill in [*named, ("priority", priority, math.nan)]:
-        chunk = [1, manifest.chunk_length, *leaf["shape"]]
-        metadata: dict[str, Any] = {
-            "shape": [manifest.num_envs, _TIME_AXIS, *leaf["shape"]],
-            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunk}},
-            "data_type": leaf["dtype"],  # zarr v3 names dtypes as NumPy does
-        }
-        if fill is not None:
-            metadata["fill_value"] = fill
-        kvstore = {"driver": "file", "path": str(path / name)}
-        out.append({"driver": "zarr3", "kvstore": kvstore, "metadata": metadata})
-    return out
 
 
 def _env_ids(env_ids: Any, n: int, num_envs: int, call: str) -> np.ndarray:
@@ -515,14 +512,6 @@ def _env_ids(env_ids: Any, n: int, num_envs: int, call: str) -> np.ndarray:
     if np.unique(ids).size != ids.size:
         raise ValueError(f"`{call}`: an env id occurs more than once.")
     return ids.astype(np.int64)
-
-
-def _env_index(env: Any, num_envs: int, call: str) -> int:
-    if not isinstance(env, int | np.integer) or isinstance(env, bool):
-        raise TypeError(f"`{call}(env=...)` must be an int, got {env!r}.")
-    if not 0 <= env < num_envs:
-        raise ValueError(f"`{call}`: env {env} is out of range; 0 <= env < num_envs = {num_envs}.")
-    return int(env)
 
 
 def _check_count(ends: np.ndarray, new: np.ndarray, call: str) -> None:
@@ -562,7 +551,7 @@ def _new_steps(
 
 
 def _check_priorities(
-    manifest: _Manifest, buffer: PrioritisedTrajectoryBuffer, call: str, whose: str
+    manifest: Manifest, buffer: PrioritisedTrajectoryBuffer, call: str, whose: str
 ) -> None:
     """Refuse a prioritised buffer whose exponent, period or window differ from those of the
     buffer the dataset's priorities were written from."""
@@ -578,7 +567,7 @@ def _check_priorities(
 def _whole_window(window: Any, options: dict[str, Any], spec: PyTree, call: str) -> Window:
     """`sample`'s window: strict, its `done` leaves among the steps'."""
     window = as_whole_window(window, options, call, "a dataset is sampled in whole windows")
-    window.check(spec, _TIME_AXIS, call)
+    window.check(spec, TIME_AXIS, call)
     return window
 
 
@@ -621,26 +610,58 @@ def _newest(t: Streams, new: np.ndarray) -> list[np.ndarray]:
 _gather = jax.jit(gather_steps, static_argnums=3)
 
 
-def _leaves_text(leaves: list[dict]) -> str:
-    return "{" + ", ".join(f"{x['path']}: {x['dtype']}{tuple(x['shape'])}" for x in leaves) + "}"
-
-
-def _read_manifest(path: Path, call: str) -> _Manifest:
-    file = path / _MANIFEST
+def _read_manifest(path: Path, expected: list[dict], call: str) -> tuple[Manifest, bytes]:
+    """The checked manifest of the dataset at `path`, which must hold steps `expected`, and
+    its bytes."""
+    file = path / MANIFEST
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"`{call}`: {str(path)!r} is a file, not a dataset directory.")
     try:
-        raw = json.loads(file.read_text())
+        raw = file.read_bytes()
     except FileNotFoundError:
-        raise FileNotFoundError(f"`{call}`: {str(path)!r} is not a dataset (no {_MANIFEST}).")
-    if raw.get("format") != _FORMAT:
+        raise FileNotFoundError(f"`{call}`: {str(path)!r} is not a dataset (no {MANIFEST}).")
+    manifest = parse_manifest(raw, file, call)
+    if manifest.leaves != expected:
         raise ValueError(
-            f"`{call}`: {str(file)!r} has format {raw.get('format')!r}; this version reads "
-            f"format {_FORMAT}."
+            f"`{call}`: {str(path)!r} holds steps {leaves_text(manifest.leaves)}, but "
+            f"`like` describes {leaves_text(expected)}."
         )
-    fields = {f.name for f in dataclasses.fields(_Manifest)}
-    return _Manifest(**{k: v for k, v in raw.items() if k in fields})
+    return manifest, raw
 
 
-def _commit(path: Path, manifest: _Manifest, sync: bool) -> None:
-    """Replace the manifest atomically (`replace_atomically`: the fsyncs only with `sync`)."""
-    text = json.dumps(manifest.to_json(), indent=1)
-    replace_atomically(path / _MANIFEST, lambda f: f.write(text.encode()), sync=sync)
+def _with_segment(
+    files: Files, manifest: Manifest, buffer: PrioritisedTrajectoryBuffer, start: Any, call: str
+) -> Manifest:
+    """`manifest` listing a new segment with the masses of every window `buffer` holds
+    (whose first step is at or after the env's `start`)."""
+    held = _held_windows(buffer, start)
+    if not held:
+        return manifest
+    name = f"priorities/{manifest.writes}"
+    first, count = [0] * manifest.num_envs, [0] * manifest.num_envs
+    masses = {}
+    for e, starts, mass, _ in held:
+        order = np.argsort(starts)  # leaf order wraps around; a segment is in start order
+        # The windows a buffer holds are every `period` steps over its stored steps.
+        assert (np.diff(starts[order]) == buffer.window.period).all()
+        first[e], count[e] = int(starts[order[0]]), int(starts.size)
+        masses[e] = mass[order].astype(np.float32)
+    digest = files.write_segment(name, masses, manifest.num_envs, call)
+    segment = {"name": name, "first": first, "count": count}
+    segments, digests = [*manifest.segments, segment], manifest.digests | {name: digest}
+    return dataclasses.replace(manifest, segments=segments, digests=digests)
+
+
+def _load_priorities(
+    files: Files, manifest: Manifest, buffer: PrioritisedTrajectoryBuffer, call: str
+) -> PrioritisedTrajectoryBuffer:
+    """`buffer` (fresh from `with_streams`) with the stored masses of its windows."""
+    meta = manifest.priorities
+    top = jnp.asarray(1.0 if meta is None else meta["max_priority"], buffer.max_priority.dtype)
+    # Windows without a stored mass get the largest priority's, as new windows do.
+    shape = (buffer.num_envs, buffer.leaves_per_env)
+    masses = np.array(jnp.broadcast_to(buffer.priorities.mass(top), shape))
+    for e, starts, _, leaves in _held_windows(buffer, np.asarray(manifest.start, np.int64)):
+        stored = files.masses(manifest, e, starts, call)
+        masses[e, leaves] = np.where(np.isnan(stored), masses[e, leaves], stored)
+    return buffer.with_window_masses(masses, max_priority=top)

@@ -4,7 +4,11 @@ The crash-safety tests kill a writer process (SIGKILL) in the middle of a write 
 dataset: it must read exactly as it did at its previous commit, and take new writes.
 """
 
+import gc
+import hashlib
 import json
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from dejax_eqx import _dataset
 from scipy import stats
 
 
@@ -164,19 +169,50 @@ def _sample16(buf, key):
     return buf.sample(key, 16)
 
 
-def _prioritised_history(tmp_path, num_envs=3, max_length=12):
-    """A prioritised buffer fed asynchronously, priorities set between writes."""
+def _prioritised_buffers(num_envs=3, max_length=12) -> list:
+    """A prioritised buffer fed asynchronously, priorities set between writes: the buffer of
+    each of 9 writes."""
     buf = _prioritised(num_envs, max_length)
-    ds = dx.Dataset.create(tmp_path / "d", STEP, num_envs, chunk_length=4)
     rng = np.random.default_rng(2)
     buf = _async_adds(buf, rng, 12, 2, num_envs)
+    out = []
     for i in range(8):
         new = jnp.asarray(rng.uniform(0.1, 4.0, 6), jnp.float32)
         buf = _reprioritise(buf, jax.random.key(i), new)
-        ds.write(buf)
+        out.append(buf)
         buf = _async_adds(buf, rng, 5, 2, num_envs)
-    ds.write(buf)
-    return buf, ds
+    return [*out, buf]
+
+
+def _prioritised_history(tmp_path, num_envs=3, max_length=12):
+    """The dataset of `_prioritised_buffers`' writes, and the last buffer."""
+    buffers = _prioritised_buffers(num_envs, max_length)
+    ds = dx.Dataset.create(tmp_path / "d", STEP, num_envs, chunk_length=4)
+    for buf in buffers:
+        ds.write(buf)
+    return buffers[-1], ds
+
+
+def _stored_masses(buffers: list, starts: np.ndarray) -> dict:
+    """Per `(env, start)`, a window's mass as of the last of `buffers` (written in order to a
+    dataset whose envs start at `starts`) that held it."""
+    out = {}
+    for buf in buffers:
+        held = jax.tree.map(np.asarray, buf.window_masses())
+        for e, leaf in zip(*np.nonzero(held.held)):
+            if held.start[e, leaf] >= starts[e]:
+                out[int(e), int(held.start[e, leaf])] = np.float32(held.mass[e, leaf])
+    return out
+
+
+def _assert_masses(ds: dx.Dataset, masses: dict) -> None:
+    """`ds` holds exactly `masses` (NaN at every other step), bit for bit."""
+    for e in range(ds.num_envs):
+        start, end = int(ds.starts[e]), int(ds.ends[e])
+        got = ds.priorities(e, start, end)
+        want = np.array([masses.get((e, s), np.nan) for s in range(start, end)], np.float32)
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=f"env {e}")
+        assert got[~np.isnan(got)].tobytes() == want[~np.isnan(want)].tobytes(), f"env {e}"
 
 
 def test_prioritised_buffer_comes_back_with_its_priorities(tmp_path):
@@ -339,11 +375,231 @@ def test_bad_input_is_refused_with_its_reason(tmp_path):
         ds.read(0, 1, 4)
     with pytest.raises(ValueError, match="env 2 is out of range"):
         ds.read(2, 0, 1)
-    manifest = tmp_path / "d" / "manifest.json"
-    raw = json.loads(manifest.read_text())
-    manifest.write_text(json.dumps(raw | {"format": 99}))
-    with pytest.raises(ValueError, match="has format 99; this version reads format 1"):
+    _resign(tmp_path / "d", lambda body: body.update(format=99))
+    with pytest.raises(ValueError, match="has format 99; this version reads formats 1 and 2"):
         dx.Dataset.open(tmp_path / "d", STEP)
+
+
+def _resign(path: Path, change) -> None:
+    """Rewrite the manifest of the dataset at `path` with `change(body)` applied and a valid
+    checksum, as a writer with a bug would: what the checks of its fields must catch. The
+    checksum is the SHA-256 of the canonical JSON of everything else."""
+    file = path / "manifest.json"
+    body = json.loads(file.read_text())
+    body.pop("checksum", None)  # (format 1 has none)
+    change(body)
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    body["checksum"] = hashlib.sha256(canonical).hexdigest()
+    file.write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")
+
+
+def _set(key, value):
+    return lambda body: body.update({key: value})
+
+
+def _set_in(key, index, value):
+    return lambda body: body[key].__setitem__(index, value)
+
+
+# Manifests that a checksum does not catch (a writer's bug, an edit re-signed): each is refused
+# on opening, with a message naming the file.
+BAD_FIELDS = [
+    (_set_in("length", 0, -1), "env 0's `length` is -1"),
+    (_set("length", [5]), "`length` must be a list of 2 ints, one per env, got [5]"),
+    (_set("start", [0, "1"]), "`start` must be a list of 2 ints"),
+    (_set_in("start", 1, -3), "env 1's `start` is -3"),
+    (_set("start", [2**31 - 1, 0]), "ends at step"),
+    (_set_in("length", 0, True), "`length` must be a list of 2 ints"),
+    (_set("num_envs", 0), "`num_envs` must be an int in"),
+    (_set("chunk_length", 2.5), "`chunk_length` must be an int in"),
+    (_set("writes", -1), "`writes` must be an int >= 0"),
+    (_set("leaves", []), "`leaves` must be a non-empty list"),
+    (_set_in("leaves", 0, {"path": "x", "shape": [-1], "dtype": "int32"}), "leaf 0 must be"),
+    (_set_in("leaves", 0, {"path": "x", "shape": [], "dtype": "object"}), "leaf 0 must be"),
+    (_set("priorities", {"period": 2}), "`priorities` must be null or"),
+    (lambda b: b.pop("start"), "it lacks ['start']"),
+    (_set("extra", 1), "it has unknown keys ['extra']"),
+    (_set("library", 2), "`library` must be a string"),
+    (_set("digests", {}), "`digests` must map"),
+    (_set("segments", [{"name": "priorities/0"}]), "it lists priority segments but no"),
+]
+
+
+@pytest.mark.parametrize("change, message", BAD_FIELDS)
+def test_a_manifest_with_bad_fields_is_refused_naming_it(tmp_path, change, message):
+    ds = dx.Dataset.create(tmp_path / "d", STEP, 2)
+    ds.append(_steps(np.arange(2)[:, None], np.arange(3)[None, :]))
+    _resign(tmp_path / "d", change)
+    with pytest.raises(ValueError) as error:
+        dx.Dataset.open(tmp_path / "d", STEP)
+    assert repr(str(tmp_path / "d" / "manifest.json")) in str(error.value)
+    assert message in str(error.value)
+
+
+def test_a_segment_outside_the_stored_steps_is_refused(tmp_path):
+    _, ds = _prioritised_history(tmp_path)
+    segment = lambda body: body["segments"][-1]["count"].__setitem__(0, 1000)  # noqa: E731
+    _resign(ds.path, segment)
+    with pytest.raises(ValueError, match="holds windows of env 0 that are not whole windows"):
+        dx.Dataset.open(ds.path, STEP)
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"", "it is empty"),
+        (b'{"format": 2, "num_en', "it is not valid JSON"),
+        (b"[1, 2]", "it holds a JSON list, not an object"),
+        (b"{}", "has format None"),
+        (b'{"format": 2}', "it has no checksum"),
+        (b"\xff\xfe", "it is not valid JSON"),
+    ],
+)
+def test_an_unreadable_manifest_is_refused_naming_it(tmp_path, content, message):
+    dx.Dataset.create(tmp_path / "d", STEP, 2)
+    (tmp_path / "d" / "manifest.json").write_bytes(content)
+    with pytest.raises(ValueError, match=re.escape(message)) as error:
+        dx.Dataset.open(tmp_path / "d", STEP)
+    assert repr(str(tmp_path / "d" / "manifest.json")) in str(error.value)
+
+
+def test_a_manifest_not_byte_for_byte_as_written_is_refused(tmp_path):
+    # The same contents and a valid checksum, in other bytes (an editor's re-indentation, or
+    # `1e-05` for `1E-05`): refused, so that no changed bit passes.
+    dx.Dataset.create(tmp_path / "d", STEP, 2)
+    file = tmp_path / "d" / "manifest.json"
+    file.write_text(json.dumps(json.loads(file.read_text()), indent=2, sort_keys=True))
+    with pytest.raises(ValueError, match="its bytes are not those dejax_eqx writes"):
+        dx.Dataset.open(tmp_path / "d", STEP)
+
+
+def test_unclear_input_is_refused_with_its_reason(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(NotADirectoryError, match="is a file, not a dataset directory"):
+        dx.Dataset.open(tmp_path / "file", STEP)
+    # Arguments are checked before anything is made on disk: the call can be made again.
+    # (Under the tests' type-checking hook, the annotation refuses it first.)
+    with pytest.raises(TypeError, match=r"`Dataset.create\(sync=...\)` must be a bool|'sync'"):
+        dx.Dataset.create(tmp_path / "d", STEP, 2, sync="no")
+    assert not (tmp_path / "d").exists()
+    with pytest.raises(TypeError, match=r"`Dataset.create\(path=...\)` must be a str|'path'"):
+        dx.Dataset.create(None, STEP, 2)
+    ds = dx.Dataset.create(tmp_path / "d", STEP, 2, sync=True)
+    ds.append(_steps(np.arange(2)[:, None], np.arange(10)[None, :]))
+    for bad in [1.0, None, "3", True, np.float32(2), jnp.asarray(2.0), np.array([1, 2])]:
+        with pytest.raises(TypeError, match=r"`Dataset.read\(start=...\)` must be an int|'start'"):
+            ds.read(0, bad, 5)
+    with pytest.raises(TypeError, match=r"`Dataset.read\(env=...\)` must be an int|'env'"):
+        ds.read(True, 0, 5)
+    with pytest.raises(TypeError, match=r"`Dataset.priorities\(stop=...\)` must be an int|'stop'"):
+        ds.priorities(0, 0, 5.0)
+    # What `sample` returns names steps to read: JAX integer scalars are ints.
+    s = ds.sample(jax.random.key(0), 1, dx.Window(3, strict=True))
+    got = ds.read(s.env[0], s.start[0], s.start[0] + 3)
+    np.testing.assert_array_equal(got["obs"], s.items["obs"][0])
+    buf = dx.TrajectoryBuffer(STEP, 2, 8)
+    with pytest.raises(
+        TypeError, match="the buffer's leaves are traced: a dataset is written on the host"
+    ):
+        eqx.filter_jit(ds.write)(buf)
+    steps = _steps(np.arange(2)[:, None], 10 + np.arange(2)[None, :])
+    with pytest.raises(TypeError, match="`Dataset.append`: the steps are traced"):
+        jax.jit(ds.append)(steps)
+    abstract = eqx.filter_eval_shape(dx.TrajectoryBuffer, STEP, 2, 8)
+    with pytest.raises(TypeError, match="include a ShapeDtypeStruct, not an array: an abstract"):
+        ds.write(abstract)
+    assert ds.lengths.tolist() == [10, 10]
+
+
+def test_two_dataset_objects_on_one_path_take_turns(tmp_path):
+    path = tmp_path / "d"
+    first = dx.Dataset.create(path, STEP, 2, chunk_length=4)
+    second = dx.Dataset.open(path, STEP)
+    reader = dx.Dataset.open(path, STEP)
+    ids = np.arange(2)[:, None]
+    first.append(_steps(ids, np.arange(5)[None, :]))  # takes the lock
+    with pytest.raises(RuntimeError, match="another writer holds .* Nothing was written"):
+        second.append(_steps(ids, np.arange(5)[None, :]))
+    first.close()
+    # The lock is free, but `second` has not seen `first`'s commit: it would write over it.
+    with pytest.raises(RuntimeError, match="changed since this Dataset read or committed it"):
+        second.append(_steps(ids, np.arange(5)[None, :]))
+    with dx.Dataset.open(path, STEP) as third:
+        third.append(_steps(ids, 5 + np.arange(5)[None, :]))
+    # Released on leaving the `with`, and when a writer is garbage collected.
+    fourth = dx.Dataset.open(path, STEP)
+    fourth.append(_steps(ids, 10 + np.arange(2)[None, :]))
+    del fourth
+    gc.collect()
+    first = dx.Dataset.open(path, STEP)
+    first.append(_steps(ids, 12 + np.arange(2)[None, :]))
+    assert reader.lengths.tolist() == [0, 0]  # readers take no lock, and see their commit
+    assert dx.Dataset.open(path, STEP).lengths.tolist() == [14, 14]
+    for e in range(2):
+        _assert_holds(dx.Dataset.open(path, STEP), e, 0, 14)
+
+
+def test_a_failed_prioritised_write_keeps_the_committed_masses(tmp_path, monkeypatch):
+    # The issue's case: one window at priority 1, then a write that fails before its commit,
+    # from a buffer that gave it priority 5: the committed mass stays 1.
+    buffers = _prioritised_buffers()
+    ds = dx.Dataset.create(tmp_path / "d", STEP, 3, chunk_length=4)
+    for buf in buffers[:4]:
+        ds.write(buf)
+    committed = _stored_masses(buffers[:4], ds.starts)
+    assert _stored_masses(buffers[:5], ds.starts) != committed  # write 4 changes some
+
+    def fail(_):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_dataset, "_BEFORE_COMMIT", fail)
+    with pytest.raises(KeyboardInterrupt):
+        ds.write(buffers[4])
+    monkeypatch.setattr(_dataset, "_BEFORE_COMMIT", None)
+    ds.close()
+    reopened = dx.Dataset.open(tmp_path / "d", STEP)
+    _assert_masses(reopened, committed)
+    for buf in buffers[4:]:  # and the writes go on from there
+        reopened.write(buf)
+    _assert_masses(reopened, _stored_masses(buffers, reopened.starts))
+
+
+FORMAT1 = ROOT / "tests" / "data" / "dataset_format1"
+
+
+def test_a_format1_dataset_opens_reads_and_refuses_writes(tmp_path):
+    # tests/data/dataset_format1 was written by the format-1 `Dataset` (dejax_eqx 0.1's
+    # format, without checksums) from `_prioritised_buffers()`: 3 envs in chunks of 4 steps,
+    # `done`'s all-False chunks not stored (format 1 reads them as the fill value).
+    path = tmp_path / "old"
+    shutil.copytree(FORMAT1, path)
+    assert not (path / "leaves/1/c/0/0").exists()
+    buffers = _prioritised_buffers()
+    ds = dx.Dataset.open(path, STEP)
+    np.testing.assert_array_equal(ds.ends, buffers[-1].step_count)
+    for e in range(3):
+        _assert_holds(ds, e, 0, int(ds.ends[e]))
+    _assert_masses(ds, _stored_masses(buffers, ds.starts))
+    loaded = ds.load(_prioritised())
+    np.testing.assert_array_equal(loaded.tree.leaves, buffers[-1].tree.leaves)
+    manifest = (path / "manifest.json").read_bytes()
+    with pytest.raises(ValueError, match="is a format-1 dataset .* takes no new steps"):
+        ds.write(buffers[-1])
+    with pytest.raises(ValueError, match=r"Copy it into a new dataset .*\.write\(old\.load"):
+        ds.append(_steps(np.arange(3)[:, None], ds.ends[:, None]))
+    assert (path / "manifest.json").read_bytes() == manifest
+    assert not (path / "writer.lock").exists()
+    # The way on: a copy, through a buffer that holds every step.
+    new = dx.Dataset.create(tmp_path / "new", STEP, 3)
+    new.write(ds.load(dx.PrioritisedTrajectoryBuffer(STEP, 3, 64, WINDOW)))
+    np.testing.assert_array_equal(new.starts, ds.starts)
+    np.testing.assert_array_equal(new.ends, ds.ends)
+    for e in range(3):
+        _assert_holds(new, e, 0, int(ds.ends[e]))
+        old = ds.priorities(e, 0, int(ds.ends[e]))
+        np.testing.assert_array_equal(
+            new.priorities(e, 0, int(ds.ends[e]))[~np.isnan(old)], old[~np.isnan(old)]
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -417,7 +673,7 @@ def test_a_writer_killed_before_its_commit_leaves_the_previous_end(tmp_path):
     assert not list(path.glob(".manifest.json.*"))
     # Write 3's steps are on disk past the committed end, where no read reaches them.
     ds = dx.Dataset.open(path, STEP)
-    past_end = ds._leaves[0][2, 18:24].read().result()
+    past_end = ds._files.leaves[0][2, 18:24].read().result()
     np.testing.assert_array_equal(past_end, _steps(np.full(6, 2), np.arange(18, 24))["action"])
     _check_after_crash(path, [18], 6)
 
