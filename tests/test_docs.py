@@ -333,6 +333,11 @@ def _exercise_every_fault_site() -> None:
         state = windows.prioritised_add(state, rollout, 2, 1, "cpu")  # sets the window: 2
         sample = windows.prioritised_sample(state, key, 2, 2, 1)
         windows.set_priorities(state, sample.indices, jnp.ones(2), 0.6, "cpu")
+        for read in (fbx.buffers.sum_tree.get, fbx.buffers.sum_tree.get_batch):
+            read(state.sum_tree_state, sample.indices)
+        fbx.buffers.sum_tree.get_probability(state.sum_tree_state, sample.indices)
+        fbx.buffers.sum_tree.sample(state.sum_tree_state, key)
+        fbx.buffers.sum_tree.stratified_sample(state.sum_tree_state, 2, key)
 
     eqx.filter_eval_shape(run, buffers, jax.random.key(0))
     eqx.filter_eval_shape(flashbax_layer, jax.random.key(0))

@@ -7,7 +7,7 @@ are exactly the module's) and computes flashbax's fields from it. Every field is
 `can_sample` outside `pmap` on per-device states).
 """
 
-from typing import NamedTuple
+from typing import Generic, NamedTuple, TypeVar
 
 import equinox as eqx
 import jax
@@ -15,6 +15,12 @@ from jaxtyping import Array, Bool, Int, PyTree
 
 from ... import AbstractTrajectoryBuffer, TrajectoryBuffer
 from ...internal import check_sequences
+
+
+# flashbax's type variable for the experience a buffer holds (one step: any pytree); its states
+# and samples are generic in it, so `TrajectoryBufferState[Transition]` is a type, as in
+# flashbax (flashbax binds it to `chex.ArrayTree`; the drop-in does not depend on chex).
+Experience = TypeVar("Experience", bound=PyTree)
 
 
 def check_add(
@@ -65,26 +71,31 @@ class LockStepState(eqx.Module):
         return self.running_index >= self.module.max_length
 
 
-class TrajectoryBufferState(LockStepState):
+class TrajectoryBufferState(LockStepState, Generic[Experience]):
     """The state of flashbax's trajectory, item and flat buffers: a `dx.TrajectoryBuffer`."""
 
     module: TrajectoryBuffer
 
 
-class TrajectoryBufferSample(eqx.Module):
+class TrajectoryBufferSample(eqx.Module, Generic[Experience]):
     experience: PyTree[Array]
 
 
-class ExperiencePair(NamedTuple):
+class ExperiencePair(NamedTuple, Generic[Experience]):
     first: PyTree[Array]
     second: PyTree[Array]
 
 
-class TransitionSample(eqx.Module):
-    experience: ExperiencePair
+# What annotations say for an `ExperiencePair`: beartype cannot check a generic NamedTuple, and
+# the jaxtyping hook of the tests has it check every annotation of the package.
+Pair = tuple[PyTree[Array], PyTree[Array]]
 
 
-def pairs(windows: PyTree[Array]) -> ExperiencePair:
+class TransitionSample(eqx.Module, Generic[Experience]):
+    experience: Pair
+
+
+def pairs(windows: PyTree[Array]) -> Pair:
     """Windows of two steps (leaves `[batch, 2, ...]`) as `(first, second)`."""
     return ExperiencePair(
         first=jax.tree.map(lambda x: x[:, 0], windows),

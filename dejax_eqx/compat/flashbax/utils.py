@@ -6,6 +6,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, PyTree
 
 
@@ -33,11 +34,22 @@ def add_dim_to_args(
     """Wrap `func` so that the positional arguments `starting_arg_index:ending_arg_index`
     (pytrees) get a new axis at `axis` before the call, as do the keyword arguments named in
     `kwargs_on_device_keys` (all of them if it is `None`), which get it at axis 1, as flashbax's
-    do."""
+    do.
+
+    Unlike flashbax's, the new axis changes no value and no dtype: a JAX array is expanded by
+    JAX, a NumPy value (or a Python scalar, as the NumPy array of its own precision) by NumPy.
+    flashbax's `jnp.expand_dims` converted NumPy and Python values as JAX does without 64-bit
+    mode, before any check could see them: an int64 wrapped to int32, a float64 was rounded to
+    float32, a Python `1e39` became inf."""
     start = 1 if starting_arg_index is None else starting_arg_index
 
+    def expand_leaf(x: Any, at: int) -> Any:
+        if isinstance(x, jax.Array):
+            return jnp.expand_dims(x, at)
+        return np.expand_dims(np.asarray(x), at)
+
     def expand(tree: Any, at: int) -> Any:
-        return jax.tree.map(lambda x: jnp.expand_dims(x, at), tree)
+        return jax.tree.map(lambda x: expand_leaf(x, at), tree)
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):

@@ -5,8 +5,15 @@ one at a time) and `max_length // add_batch_size` steps per row, sampled as whol
 two steps: `experience.first` is a step and `experience.second` the next one of the same row.
 """
 
-from .._states import pairs, TransitionSample
-from .trajectory_buffer import make_trajectory_buffer, reshaped, TrajectoryBuffer
+from .._states import (
+    Experience as Experience,
+    ExperiencePair as ExperiencePair,
+    pairs,
+    TrajectoryBufferState as TrajectoryBufferState,
+    TransitionSample as TransitionSample,
+)
+from ..utils import add_dim_to_args as add_dim_to_args
+from .trajectory_buffer import check_sizes, make_trajectory_buffer, reshaped, TrajectoryBuffer
 
 
 def validate_sample_batch_size(sample_batch_size: int, max_length: int) -> None:
@@ -15,18 +22,29 @@ def validate_sample_batch_size(sample_batch_size: int, max_length: int) -> None:
         raise ValueError("sample_batch_size must be less than or equal to max_length")
 
 
-def validate_flat_buffer_args(
-    max_length: int, min_length: int, sample_batch_size: int, add_batch_size: int
-) -> None:
-    """flashbax's checks of `make_flat_buffer`'s arguments, with flashbax's messages."""
-    validate_sample_batch_size(sample_batch_size, max_length)
+def validate_min_length(min_length: int, add_batch_size: int, max_length: int) -> None:
+    """flashbax's check that `min_length` steps (`min_length // add_batch_size + 1` per row)
+    fit in the buffer."""
     if min_length // add_batch_size + 1 > max_length:
         raise ValueError("min_length used is too large for the buffer size.")
+
+
+def validate_max_length_add_batch_size(max_length: int, add_batch_size: int) -> None:
+    """flashbax's check that each row holds at least a pair of steps."""
     if max_length // add_batch_size < 2:
         raise ValueError(
             "max_length//add_batch_size must be greater than 2. It is currently "
             f"{max_length}//{add_batch_size} = {max_length // add_batch_size}"
         )
+
+
+def validate_flat_buffer_args(
+    max_length: int, min_length: int, sample_batch_size: int, add_batch_size: int
+) -> None:
+    """flashbax's checks of `make_flat_buffer`'s arguments, with flashbax's messages."""
+    validate_sample_batch_size(sample_batch_size, max_length)
+    validate_min_length(min_length, add_batch_size, max_length)
+    validate_max_length_add_batch_size(max_length, add_batch_size)
 
 
 def create_flat_buffer(
@@ -38,6 +56,13 @@ def create_flat_buffer(
 ) -> TrajectoryBuffer:
     """See `make_flat_buffer`."""
     add_batches = add_batch_size is not None
+    check_sizes(
+        "make_flat_buffer",
+        max_length=max_length,
+        min_length=min_length,
+        sample_batch_size=sample_batch_size,
+        add_batch_size=add_batch_size,
+    )
     rows = 1 if add_batch_size is None else add_batch_size
     validate_flat_buffer_args(max_length, min_length, sample_batch_size, rows)
     buffer = make_trajectory_buffer(
@@ -55,6 +80,7 @@ def create_flat_buffer(
         add_sequences=add_sequences,
         one_row=False,
         sample=lambda windows: TransitionSample(experience=pairs(windows.experience)),
+        call="trajectory_buffer.add",
     )
 
 

@@ -5,16 +5,27 @@ one step, returned without their time axis. A batch `[B, T, ...]` is added as `B
 row-major order, as flashbax does.
 """
 
-from .._states import first_steps, TrajectoryBufferSample
-from .flat_buffer import validate_sample_batch_size
-from .trajectory_buffer import make_trajectory_buffer, reshaped, TrajectoryBuffer
+from .._states import (
+    Experience as Experience,
+    first_steps,
+    TrajectoryBufferSample as TrajectoryBufferSample,
+    TrajectoryBufferState as TrajectoryBufferState,
+)
+from ..utils import add_dim_to_args as add_dim_to_args
+from .flat_buffer import validate_sample_batch_size as validate_sample_batch_size
+from .trajectory_buffer import check_sizes, make_trajectory_buffer, reshaped, TrajectoryBuffer
+
+
+def validate_min_length(min_length: int, max_length: int) -> None:
+    """flashbax's check that `min_length` items fit in the buffer."""
+    if min_length > max_length:
+        raise ValueError("min_length used cannot be larger than max_length.")
 
 
 def validate_item_buffer_args(max_length: int, min_length: int, sample_batch_size: int) -> None:
     """flashbax's checks of `make_item_buffer`'s arguments, with flashbax's messages."""
     validate_sample_batch_size(sample_batch_size, max_length)
-    if min_length > max_length:
-        raise ValueError("min_length used cannot be larger than max_length.")
+    validate_min_length(min_length, max_length)
 
 
 def create_item_buffer(
@@ -25,6 +36,12 @@ def create_item_buffer(
     add_batches: bool,
 ) -> TrajectoryBuffer:
     """See `make_item_buffer`."""
+    check_sizes(
+        "make_item_buffer",
+        max_length=max_length,
+        min_length=min_length,
+        sample_batch_size=sample_batch_size,
+    )
     validate_item_buffer_args(max_length, min_length, sample_batch_size)
     buffer = make_trajectory_buffer(
         add_batch_size=1,
@@ -41,6 +58,7 @@ def create_item_buffer(
         add_sequences=add_sequences,
         one_row=True,
         sample=lambda windows: TrajectoryBufferSample(experience=first_steps(windows.experience)),
+        call="trajectory_buffer.add",
     )
 
 

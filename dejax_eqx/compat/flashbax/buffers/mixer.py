@@ -140,13 +140,24 @@ def _shares(sample_batch_size: int, proportions: Sequence[Any]) -> list[int]:
             raise TypeError(
                 f"`make_mixer`: proportions[{i}] = {p!r} is not a real number."
             ) from None
+        except OverflowError:  # a Python int past the largest float
+            raise ValueError(
+                f"`make_mixer`: proportions[{i}] is a Python int of {int(p).bit_length()} "
+                "bits, too large for a float; rescale the proportions."
+            ) from None
         if not (math.isfinite(value) and value >= 0):
             raise ValueError(
                 f"`make_mixer`: proportions[{i}] = {value} must be finite and non-negative."
             )
-    total = sum(proportions)
-    if not float(total) > 0:
+    total = sum(proportions)  # in the proportions' own arithmetic, as flashbax sums them
+    try:
+        total_value = float(total)
+    except OverflowError:
+        total_value = math.inf
+    if not total_value > 0:
         raise ValueError("`make_mixer`: the proportions sum to 0; give at least one a weight.")
+    if not math.isfinite(total_value):  # every share would be 0, the batch the first buffer's
+        raise ValueError("`make_mixer`: the proportions sum past the largest float; rescale them.")
     shares = [int(p / total * sample_batch_size) for p in proportions]
     shares[0] += sample_batch_size - sum(shares)
     if shares[0] < 0:  # only if normalising rounded the proportions up past 1
@@ -192,9 +203,11 @@ def make_mixer(
         )
     if not buffers:
         raise ValueError("`make_mixer`: no buffers; give at least one.")
+    # The exact type: a prioritised container is also a `TrajectoryBuffer` (a subclass, as in
+    # flashbax), so `isinstance` would take a prioritised buffer after a plain one.
     kind = type(buffers[0])
     for i, buffer in enumerate(buffers):
-        if not isinstance(buffer, kind):
+        if type(buffer) is not kind:
             raise TypeError(
                 f"`make_mixer`: buffer {i} is a {type(buffer).__name__} and buffer 0 a "
                 f"{kind.__name__}; all buffers must be of one type."

@@ -10,20 +10,31 @@ items are the windows of two steps starting at every step: `experience.first` is
 import equinox as eqx
 from jaxtyping import Array, Float, Int
 
-from .._states import ExperiencePair, pairs
-from .flat_buffer import validate_flat_buffer_args
-from .prioritised_trajectory_buffer import (
-    make_prioritised_trajectory_buffer,
-    PrioritisedTrajectoryBuffer,
+from .._states import (
+    ExperiencePair as ExperiencePair,
+    Pair,
+    pairs,
+    TransitionSample as TransitionSample,
 )
-from .trajectory_buffer import reshaped
+from ..utils import add_dim_to_args as add_dim_to_args
+from .flat_buffer import validate_flat_buffer_args as validate_flat_buffer_args
+from .prioritised_trajectory_buffer import (
+    Indices as Indices,
+    make_prioritised_trajectory_buffer as make_prioritised_trajectory_buffer,
+    PrioritisedTrajectoryBuffer as PrioritisedTrajectoryBuffer,
+    PrioritisedTrajectoryBufferState as PrioritisedTrajectoryBufferState,
+    Probabilities as Probabilities,
+    validate_device as validate_device,
+    validate_priority_exponent as validate_priority_exponent,
+)
+from .trajectory_buffer import check_sizes, reshaped
 
 
 class PrioritisedTransitionSample(eqx.Module):
     """Sampled transitions, their sum-tree leaves (for `set_priorities`) and the probability of
     drawing each."""
 
-    experience: ExperiencePair
+    experience: Pair
     indices: Int[Array, "*batch"]
     probabilities: Float[Array, "*batch"]
 
@@ -53,6 +64,13 @@ def make_prioritised_flat_buffer(
     - `device`: accepted and checked, not used.
     """
     add_batches = add_batch_size is not None
+    check_sizes(
+        "make_prioritised_flat_buffer",
+        max_length=max_length,
+        min_length=min_length,
+        sample_batch_size=sample_batch_size,
+        add_batch_size=add_batch_size,
+    )
     rows = 1 if add_batch_size is None else add_batch_size
     validate_flat_buffer_args(max_length, min_length, sample_batch_size, rows)
     buffer = make_prioritised_trajectory_buffer(
@@ -76,4 +94,5 @@ def make_prioritised_flat_buffer(
             indices=windows.indices,
             probabilities=windows.probabilities,
         ),
+        call="prioritised_trajectory_buffer.prioritised_add",
     )

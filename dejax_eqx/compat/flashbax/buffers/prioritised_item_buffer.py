@@ -5,14 +5,18 @@ whose items are the windows of one step, returned without their time axis. A bat
 ...]` is added as `B * T` items in row-major order, as flashbax does.
 """
 
-from .._states import first_steps
-from .item_buffer import validate_item_buffer_args
+from .._states import Experience as Experience, first_steps
+from ..utils import add_dim_to_args as add_dim_to_args
+from .item_buffer import validate_item_buffer_args as validate_item_buffer_args
 from .prioritised_trajectory_buffer import (
-    make_prioritised_trajectory_buffer,
-    PrioritisedTrajectoryBuffer,
-    PrioritisedTrajectoryBufferSample,
+    make_prioritised_trajectory_buffer as make_prioritised_trajectory_buffer,
+    PrioritisedTrajectoryBuffer as PrioritisedTrajectoryBuffer,
+    PrioritisedTrajectoryBufferSample as PrioritisedTrajectoryBufferSample,
+    PrioritisedTrajectoryBufferState as PrioritisedTrajectoryBufferState,
+    validate_device as validate_device,
+    validate_priority_exponent as validate_priority_exponent,
 )
-from .trajectory_buffer import reshaped
+from .trajectory_buffer import check_sizes, reshaped
 
 
 def create_prioritised_item_buffer(
@@ -25,6 +29,12 @@ def create_prioritised_item_buffer(
     device: str,
 ) -> PrioritisedTrajectoryBuffer:
     """See `make_prioritised_item_buffer`."""
+    check_sizes(
+        "make_prioritised_item_buffer",
+        max_length=max_length,
+        min_length=min_length,
+        sample_batch_size=sample_batch_size,
+    )
     validate_item_buffer_args(max_length, min_length, sample_batch_size)
     buffer = make_prioritised_trajectory_buffer(
         add_batch_size=1,
@@ -47,6 +57,7 @@ def create_prioritised_item_buffer(
             indices=windows.indices,
             probabilities=windows.probabilities,
         ),
+        call="prioritised_trajectory_buffer.prioritised_add",
     )
 
 

@@ -21,37 +21,84 @@ import dataclasses
 import functools
 import warnings
 from collections.abc import Callable
+from typing import Generic
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, Integer, PRNGKeyArray, PyTree, Real
 
 from .... import PrioritisedTrajectoryBuffer as _Module, Window
-from ....internal import check_faults, Prototype, stamps_of
-from .._states import check_add, LockStepState
-from .sum_tree import SumTreeState
-from .trajectory_buffer import can_sample, make_trajectory_buffer, TrajectoryBuffer
+from ....internal import (
+    as_float,
+    check_faults,
+    check_finite_float,
+    check_index,
+    check_vector,
+    Prototype,
+    stamps_of,
+)
+from .._states import (
+    check_add,
+    Experience,
+    LockStepState,
+    TrajectoryBufferSample as TrajectoryBufferSample,
+    TrajectoryBufferState as TrajectoryBufferState,
+)
+from .sum_tree import get_tree_depth as get_tree_depth, SumTreeState
+from .trajectory_buffer import (
+    BufferSample,
+    BufferState,
+    can_sample,
+    check_sizes,
+    make_trajectory_buffer,
+    TrajectoryBuffer,
+    validate_trajectory_buffer_args as validate_trajectory_buffer_args,
+)
 
 
 __all__ = [
+    "BufferSample",
+    "BufferState",
+    "Experience",
+    "Indices",
+    "Priorities",
     "PrioritisedTrajectoryBuffer",
     "PrioritisedTrajectoryBufferSample",
     "PrioritisedTrajectoryBufferState",
+    "Probabilities",
+    "SumTreeState",
+    "TrajectoryBuffer",
+    "TrajectoryBufferSample",
+    "TrajectoryBufferState",
     "can_sample",
+    "get_invalid_indices",
+    "get_max_divisible_length",
+    "get_num_items_in_row",
+    "get_sum_tree_capacity",
+    "get_tree_depth",
     "make_prioritised_trajectory_buffer",
     "prioritised_add",
     "prioritised_init",
     "prioritised_sample",
     "set_priorities",
+    "validate_device",
+    "validate_priority_exponent",
+    "validate_trajectory_buffer_args",
 ]
+
+# flashbax's names for the arrays of prioritised replay (p and P in the PER paper).
+Priorities = Array
+Probabilities = Array
+Indices = Array
 
 # The exponent of a state made by `prioritised_init`, until `set_priorities` names one. Until
 # then every priority is `max_priority = 1`, whose mass is 1 for every exponent.
 _DEFAULT_EXPONENT = 0.6
 
 
-class PrioritisedTrajectoryBufferState(LockStepState):
+class PrioritisedTrajectoryBufferState(LockStepState, Generic[Experience]):
     """The state of flashbax's prioritised buffers: a `dx.PrioritisedTrajectoryBuffer`."""
 
     module: _Module
@@ -63,7 +110,7 @@ class PrioritisedTrajectoryBufferState(LockStepState):
         return SumTreeState(m.tree, m.max_priority, m.priority_exponent)
 
 
-class PrioritisedTrajectoryBufferSample(eqx.Module):
+class PrioritisedTrajectoryBufferSample(eqx.Module, Generic[Experience]):
     """Sampled windows (leaves `[batch, sequence_length, ...]`), their sum-tree leaves (the
     `indices` that `set_priorities` takes) and the probability of drawing each."""
 
@@ -111,7 +158,9 @@ def _configured(
         )
     new_window = module.window.size if window is None else window
     new_exponent = (
-        module.priority_exponent if priority_exponent is None else float(priority_exponent)
+        module.priority_exponent
+        if priority_exponent is None
+        else check_finite_float(priority_exponent, f"{call}(priority_exponent=...)")
     )
     if new_window == module.window.size and new_exponent == module.priority_exponent:
         return module
@@ -156,6 +205,12 @@ def prioritised_init(
     The window length is not known yet: the first `prioritised_add` (or `prioritised_sample`)
     sets it from its `sample_sequence_length`.
     """
+    check_sizes(
+        "prioritised_trajectory_buffer.prioritised_init",
+        add_batch_size=add_batch_size,
+        max_length_time_axis=max_length_time_axis,
+        period=period,
+    )
     # A placeholder window: `period` steps always fit the module's checks (at most
     # max_length, and longer than max_length mod period).
     module = _build(
@@ -195,6 +250,7 @@ def prioritised_add(
     rows, and update the priorities of the windows that enter or leave. `device` is accepted
     for flashbax's signature and not used."""
     call = "prioritised_trajectory_buffer.prioritised_add"
+    check_sizes(call, sample_sequence_length=sample_sequence_length, period=period)
     batch = check_add(state.module, batch, call)
     module = _configured(state.module, call, window=sample_sequence_length, period=period)
     return PrioritisedTrajectoryBufferState(module.extend(batch))
@@ -213,6 +269,7 @@ def prioritised_sample(
     **Raises:** an `eqx.error_if` error if no window is stored yet (flashbax returns zeros).
     """
     call = "prioritised_trajectory_buffer.prioritised_sample"
+    check_sizes(call, batch_size=batch_size, sequence_length=sequence_length, period=period)
     module = _configured(state.module, call, window=sequence_length, period=period)
     out = module.sample(rng_key, batch_size)
     return PrioritisedTrajectoryBufferSample(
@@ -233,37 +290,44 @@ def set_priorities(
     window yet is dropped. `device` is accepted for flashbax's signature and not used.
 
     **Raises:** an `eqx.error_if` error for an index outside `[0, capacity)` or whose leaf
-    never held a window, or a priority that is negative, infinite or NaN.
+    never held a window, or a priority that is negative, infinite, NaN or too large for the
+    sum tree's dtype. Indices and priorities are checked in their own dtype: an int64 index
+    or priority is not wrapped to int32 first, as `jnp.asarray` would wrap it.
     """
     call = "prioritised_trajectory_buffer.set_priorities"
     module = _configured(state.module, call, priority_exponent=priority_exponent)
-    indices = jnp.asarray(indices)
-    if not jnp.issubdtype(indices.dtype, jnp.integer):
-        raise TypeError(
-            f"`{call}(indices=...)` must be integer sum-tree leaf indices (a sample's "
-            f"`indices`), got dtype {indices.dtype}."
-        )
-    indices = indices.reshape(-1).astype(jnp.int32)
-    priorities = jnp.reshape(jnp.asarray(priorities), -1)
-    outside = (indices < 0) | (indices >= module.tree.capacity)
-    env, start = stamps_of(module, jnp.where(outside, 0, indices))
+    capacity = module.tree.capacity
+    # Each checked in its own dtype (an int64 index or priority is not wrapped to int32 on
+    # the way), then flattened: flashbax takes any shape.
+    leaves, outside = check_index(indices, capacity, f"{call}(indices=...)")
+    leaves, outside = leaves.reshape(-1), outside.reshape(-1)
+    if isinstance(priorities, jax.Array | np.ndarray):
+        priorities = priorities.reshape(-1)
+    priorities = check_vector(priorities, leaves.shape[0], call, "priorities")
+    dtype = module.max_priority.dtype
+    priorities, faults = as_float(priorities, dtype, call, "priorities")
+    env, start = stamps_of(module, jnp.where(outside, 0, leaves))
     bad = outside | (start < 0)
-    env, start = check_faults(
-        (env, start),
+    env, start, priorities = check_faults(
+        (env, start, priorities),
         [
             (
                 bad,
                 f"`{call}`: an index names no window: indices must be sum-tree leaves in "
-                f"[0, {module.tree.capacity}) whose window has been stored, as `sample` "
-                "returns them",
-            )
+                f"[0, {capacity}) whose window has been stored, as `sample` returns them",
+            ),
+            *faults,
+            (
+                ~(jnp.isfinite(priorities) & (priorities >= 0)),
+                f"`{call}`: priorities must be finite and non-negative",
+            ),
         ],
     )
     return PrioritisedTrajectoryBufferState(module.set_priorities(env, start, priorities))
 
 
 @dataclasses.dataclass(frozen=True)
-class PrioritisedTrajectoryBuffer(TrajectoryBuffer):
+class PrioritisedTrajectoryBuffer(TrajectoryBuffer[Experience, BufferState, BufferSample]):
     """flashbax's container of pure functions, with `set_priorities(state, indices,
     priorities)`."""
 
@@ -277,18 +341,72 @@ def validate_priority_exponent(priority_exponent: float) -> None:
 
 
 def validate_device(device: str) -> bool:
-    """Whether `device` is one of flashbax's names ('cpu', 'gpu', 'tpu'); warns if not.
+    """Whether `device` is one of flashbax's names ('cpu', 'gpu', 'tpu') and JAX has that
+    backend here, as flashbax answers it; warns if not.
 
-    flashbax picks its sum-tree update by device; dejax_eqx has one, so the name is only
-    checked."""
-    if device in ("cpu", "gpu", "tpu"):
-        return True
-    warnings.warn(
-        f"device must be 'cpu', 'gpu' or 'tpu', got {device!r}; it is ignored (dejax_eqx "
-        "uses one implementation on every device).",
-        stacklevel=2,
+    flashbax picks its sum-tree update by device, falling back to its CPU one when this is
+    `False`; dejax_eqx has one for every device, so the answer changes nothing."""
+    if device not in ("cpu", "gpu", "tpu"):
+        warnings.warn(
+            f"device must be 'cpu', 'gpu' or 'tpu', got {device!r}; it is ignored (dejax_eqx "
+            "uses one implementation on every device).",
+            stacklevel=2,
+        )
+        return False
+    try:
+        jax.devices(device)
+    except RuntimeError:
+        warnings.warn(
+            f"device = {device!r}, but JAX has no {device!r} backend here; it is ignored "
+            "(dejax_eqx uses one implementation on every device).",
+            stacklevel=2,
+        )
+        return False
+    return True
+
+
+def get_max_divisible_length(max_length_time_axis: int, period: int) -> int:
+    """flashbax's `max_length_time_axis` cut down to a multiple of `period`: the time axis
+    `make_prioritised_trajectory_buffer` uses."""
+    return int(max_length_time_axis - max_length_time_axis % period)
+
+
+def get_num_items_in_row(max_length_time_axis: int, period: int) -> int:
+    """The windows (sum-tree leaves) of one row: `max_length_time_axis // period`."""
+    return int(max_length_time_axis // period)
+
+
+def get_sum_tree_capacity(max_length_time_axis: int, period: int, add_batch_size: int) -> int:
+    """The sum tree's leaves: `get_num_items_in_row(...)` for each of `add_batch_size` rows."""
+    return int(get_num_items_in_row(max_length_time_axis, period) * add_batch_size)
+
+
+def get_invalid_indices(
+    state: LockStepState,
+    sample_sequence_length: int,
+    period: int,
+    add_batch_size: int,
+    max_length_time_axis: int,
+) -> Int[Array, "rows items"]:
+    """The sum-tree leaves that flashbax counts as unsafe to sample, given the write position
+    `state.current_index`: per row, the `sample_sequence_length // period + 1` leaves after
+    that of the newest window ending before the write position (flashbax's comment: often one
+    of them is still whole). `[add_batch_size, sample_sequence_length // period + 1]`,
+    computed as flashbax computes it. flashbax 0.1.3 no longer calls it; nor do the drop-in's
+    buffers, whose sum tree holds exactly the windows that are stored.
+
+    Leaves are numbered as flashbax numbers its items, `row * (max_length_time_axis //
+    period) + slot // period`: the drop-in's leaves when `period` divides
+    `max_length_time_axis` (always, through `make_prioritised_trajectory_buffer`)."""
+    items_in_row = max_length_time_axis // period
+    last_start = get_max_divisible_length(max_length_time_axis, period) - 1
+    newest_whole = jnp.minimum(
+        (state.current_index - sample_sequence_length) % max_length_time_axis, last_start
     )
-    return False
+    first_broken = (newest_whole // period + 1) % items_in_row
+    broken = (jnp.arange(sample_sequence_length // period + 1) + first_broken) % items_in_row
+    rows = jnp.arange(add_batch_size) * items_in_row
+    return broken[None, :] + rows[:, None]
 
 
 def make_prioritised_trajectory_buffer(
@@ -308,6 +426,16 @@ def make_prioritised_trajectory_buffer(
     multiple of `period`, with a printed note when that loses capacity. `device` is only
     checked (see `validate_device`).
     """
+    check_sizes(
+        "make_prioritised_trajectory_buffer",
+        add_batch_size=add_batch_size,
+        sample_batch_size=sample_batch_size,
+        sample_sequence_length=sample_sequence_length,
+        period=period,
+        min_length_time_axis=min_length_time_axis,
+        max_size=max_size,
+        max_length_time_axis=max_length_time_axis,
+    )
     # The trajectory buffer's checks and warnings, and its `can_sample` (which raises
     # min_length_time_axis to sample_sequence_length), are the same as flashbax's here.
     base = make_trajectory_buffer(
@@ -324,7 +452,7 @@ def make_prioritised_trajectory_buffer(
     if max_size is not None:
         max_length_time_axis = max_size // add_batch_size
     assert max_length_time_axis is not None  # checked by make_trajectory_buffer
-    aligned = max_length_time_axis - max_length_time_axis % period
+    aligned = get_max_divisible_length(max_length_time_axis, period)
     if aligned != max_length_time_axis:
         print(
             f"max_length_time_axis = {max_length_time_axis} is not a multiple of period = "

@@ -8,22 +8,54 @@ import dataclasses
 import functools
 import warnings
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from .... import TrajectoryBuffer as _Module, Window
-from ....internal import check_faults, draw_starts, phase, read_windows
-from .._states import check_add, TrajectoryBufferSample, TrajectoryBufferState
+from ....internal import (
+    check_faults,
+    check_items,
+    check_nonnegative_int,
+    check_positive_int,
+    draw_starts,
+    phase,
+    read_windows,
+)
+from .._states import check_add, Experience, TrajectoryBufferSample, TrajectoryBufferState
 from ..utils import add_dim_to_args
+
+
+# flashbax's type variables, bound to the drop-in's state and sample (Stoix annotates its
+# learner states with `BufferState`). flashbax's prioritised state and sample are subclasses of
+# these; the drop-in's are not (see docs/migration-flashbax.md).
+BufferState = TypeVar("BufferState", bound=TrajectoryBufferState)
+BufferSample = TypeVar("BufferSample", bound=TrajectoryBufferSample)
+
+
+def check_sizes(call: str, /, **sizes: int | None) -> None:
+    """Each of `sizes` (flashbax's integer arguments, by name) a positive Python int, else a
+    `ValueError`/`TypeError` quoting `call(name=...)`; `min_length...` may be 0, `None`
+    stands for an argument not given. flashbax checked none of them, and went on to a
+    `ZeroDivisionError`, an `MLIRError`, a shape error or an empty batch."""
+    for name, value in sizes.items():
+        if value is None:
+            continue
+        where = f"{call}({name}=...)"
+        if name.startswith("min_length"):
+            check_nonnegative_int(value, where)
+        else:
+            check_positive_int(value, where)
 
 
 def init(
     experience: PyTree, add_batch_size: int, max_length_time_axis: int
 ) -> TrajectoryBufferState:
     """An empty state: `add_batch_size` rows (envs) of `max_length_time_axis` steps."""
+    call = "trajectory_buffer.init"
+    check_sizes(call, add_batch_size=add_batch_size, max_length_time_axis=max_length_time_axis)
     return TrajectoryBufferState(_Module(experience, add_batch_size, max_length_time_axis))
 
 
@@ -48,6 +80,7 @@ def sample(
     flashbax returned windows of zeros (`can_sample` tells when sampling is possible).
     """
     call = "trajectory_buffer.sample"
+    check_sizes(call, batch_size=batch_size, sequence_length=sequence_length, period=period)
     module = state.module
     window = Window(sequence_length, period=period, strict=True)
     window.check(module.item_spec, module.max_length, call)
@@ -73,7 +106,7 @@ _B = TypeVar("_B", bound="TrajectoryBuffer")
 
 
 @dataclasses.dataclass(frozen=True)
-class TrajectoryBuffer:
+class TrajectoryBuffer(Generic[Experience, BufferState, BufferSample]):
     """flashbax's container of pure functions.
 
     Beyond flashbax's fields, `sample_n(state, rng_key, batch_size)` is `sample` for any batch
@@ -93,6 +126,62 @@ class TrajectoryBuffer:
         return dataclasses.replace(self, **changes)
 
 
+def validate_size(
+    max_length_time_axis: int | None, max_size: int | None, add_batch_size: int
+) -> None:
+    """flashbax's check of how a buffer is sized: `max_size` and `max_length_time_axis` are not
+    both given; warns that `max_size` sets `max_length_time_axis` to `max_size //
+    add_batch_size`."""
+    if max_size is not None and max_length_time_axis is not None:
+        raise ValueError("Cannot specify both `max_size` and `max_length_time_axis` arguments.")
+    if max_size is not None:
+        warnings.warn(
+            f"`max_size` = {max_size} sets max_length_time_axis = max_size // add_batch_size = "
+            f"{max_size // add_batch_size}, in place of the `max_length_time_axis` argument.",
+            stacklevel=4,  # the caller of `make_trajectory_buffer`
+        )
+
+
+def validate_trajectory_buffer_args(
+    max_length_time_axis: int | None,
+    min_length_time_axis: int,
+    add_batch_size: int,
+    sample_sequence_length: int,
+    period: int,
+    max_size: int | None,
+) -> None:
+    """flashbax's checks of `make_trajectory_buffer`'s arguments, as flashbax makes them:
+    `validate_size`; warns if `sample_sequence_length > min_length_time_axis` (the minimum is
+    then raised to it) or `period > sample_sequence_length` (some steps are never sampled);
+    refuses a window or a minimum longer than the time axis, when the axis is known."""
+    validate_size(max_length_time_axis, max_size, add_batch_size)
+    if max_size is not None:
+        max_length_time_axis = max_size // add_batch_size
+    if sample_sequence_length > min_length_time_axis:
+        warnings.warn(
+            f"sample_sequence_length = {sample_sequence_length} > min_length_time_axis = "
+            f"{min_length_time_axis}: the minimum is raised to sample_sequence_length.",
+            stacklevel=2,
+        )
+        min_length_time_axis = sample_sequence_length
+    if period > sample_sequence_length:
+        warnings.warn(
+            f"period = {period} > sample_sequence_length = {sample_sequence_length}: some "
+            "steps are never sampled.",
+            stacklevel=3,  # the caller of `make_trajectory_buffer`
+        )
+    if max_length_time_axis is None:
+        return
+    if sample_sequence_length > max_length_time_axis:
+        raise ValueError(
+            "`sample_sequence_length` must be less than or equal to `max_length_time_axis`."
+        )
+    if min_length_time_axis > max_length_time_axis:
+        raise ValueError(
+            "`min_length_time_axis` must be less than or equal to `max_length_time_axis`."
+        )
+
+
 def make_trajectory_buffer(
     add_batch_size: int,
     sample_batch_size: int,
@@ -102,28 +191,33 @@ def make_trajectory_buffer(
     max_size: int | None = None,
     max_length_time_axis: int | None = None,
 ) -> TrajectoryBuffer:
-    """flashbax's `make_trajectory_buffer`, same arguments and defaults."""
-    if max_size is not None and max_length_time_axis is not None:
-        raise ValueError("Cannot specify both `max_size` and `max_length_time_axis` arguments.")
+    """flashbax's `make_trajectory_buffer`, same arguments and defaults (each integer checked:
+    positive, `min_length_time_axis` non-negative)."""
+    check_sizes(
+        "make_trajectory_buffer",
+        add_batch_size=add_batch_size,
+        sample_batch_size=sample_batch_size,
+        sample_sequence_length=sample_sequence_length,
+        period=period,
+        min_length_time_axis=min_length_time_axis,
+        max_size=max_size,
+        max_length_time_axis=max_length_time_axis,
+    )
+    if max_size is None and max_length_time_axis is None:
+        raise ValueError("Specify `max_size` or `max_length_time_axis`.")
+    # The minimum is raised to the window silently (flashbax warns, then does the same).
+    min_length_time_axis = max(min_length_time_axis, sample_sequence_length)
+    validate_trajectory_buffer_args(
+        max_length_time_axis,
+        min_length_time_axis,
+        add_batch_size,
+        sample_sequence_length,
+        period,
+        max_size,
+    )
     if max_size is not None:
         max_length_time_axis = max_size // add_batch_size
-    if max_length_time_axis is None:
-        raise ValueError("Specify `max_size` or `max_length_time_axis`.")
-    if period > sample_sequence_length:
-        warnings.warn(
-            f"period = {period} > sample_sequence_length = {sample_sequence_length}: some "
-            "steps are never sampled.",
-            stacklevel=2,
-        )
-    min_length_time_axis = max(min_length_time_axis, sample_sequence_length)
-    if sample_sequence_length > max_length_time_axis:
-        raise ValueError(
-            "`sample_sequence_length` must be less than or equal to `max_length_time_axis`."
-        )
-    if min_length_time_axis > max_length_time_axis:
-        raise ValueError(
-            "`min_length_time_axis` must be less than or equal to `max_length_time_axis`."
-        )
+    assert max_length_time_axis is not None  # one of the two is given, as checked above
     return TrajectoryBuffer(
         init=functools.partial(
             init, add_batch_size=add_batch_size, max_length_time_axis=max_length_time_axis
@@ -148,6 +242,7 @@ def reshaped(
     add_sequences: bool,
     one_row: bool,
     sample: Callable[[Any], Any],
+    call: str,
 ) -> _B:
     """A trajectory buffer of this layer (plain or prioritised) as a flat or item buffer.
 
@@ -155,6 +250,10 @@ def reshaped(
     axis unless `add_sequences` (flashbax's `add_dim_to_args` wrappers); with `one_row` (the
     item buffers) it adds a `[B, T, ...]` batch as one row of `B * T` steps, row-major. Its
     `sample` and `sample_n` return `sample(windows)`, `windows` being the buffer's own sample.
+
+    A batch is checked against the experience as it is given, before an axis is added, under
+    the name `call` of the add it goes to: dtypes exactly (nothing is cast), and a Python
+    scalar of an item only where the leaf's dtype holds it (`check_items`).
     """
     add = buffer.add
     if one_row:
@@ -170,6 +269,16 @@ def reshaped(
         add = add_dim_to_args(
             add, axis=1 if add_batches else 0, starting_arg_index=1, ending_arg_index=2
         )
+    if not (add_batches and add_sequences):  # else the buffer's own add checks the batch
+        add_expanded = add
+        what = "item" if not (add_batches or add_sequences) else "batch of items"
+
+        def add(state, batch):
+            spec = state.module.item_spec
+            one = not (add_batches or add_sequences)
+            batch, _ = check_items(spec, batch, call, batched=not one, what=what)
+            return add_expanded(state, batch)
+
     windows = buffer.sample_n
     assert windows is not None, "a buffer made by this layer's make_* functions"
 

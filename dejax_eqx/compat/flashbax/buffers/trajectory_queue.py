@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import warnings
 from collections.abc import Callable
+from typing import Generic, TypeVar
 
 import equinox as eqx
 from jaxtyping import Array, Bool, Int, PyTree
@@ -22,9 +23,14 @@ from jaxtyping import Array, Bool, Int, PyTree
 from .... import TrajectoryQueue as _Module
 from ....internal import extend_queue, pop_queue
 from .._states import check_add
+from .trajectory_buffer import check_sizes
 
 
-class TrajectoryQueueState(eqx.Module):
+# flashbax's queue has a type variable of its own (the buffers' is `trajectory_buffer`'s).
+Experience = TypeVar("Experience", bound=PyTree)
+
+
+class TrajectoryQueueState(eqx.Module, Generic[Experience]):
     """The state of flashbax's trajectory queue: a `dx.TrajectoryQueue`.
 
     Its fields are those of flashbax's state, computed from the module (`module`, the only
@@ -54,7 +60,7 @@ class TrajectoryQueueState(eqx.Module):
         return _unread(self) == self.module.max_length
 
 
-class TrajectoryQueueSample(eqx.Module):
+class TrajectoryQueueSample(eqx.Module, Generic[Experience]):
     """What `sample` returns: `experience`, leaves `[add_batch_size, sequence_length, ...]`."""
 
     experience: PyTree[Array]
@@ -83,6 +89,8 @@ def init(
 ) -> TrajectoryQueueState:
     """An empty queue of `add_batch_size` rows of at most `max_length_time_axis` unread steps;
     `experience` is one step, whose structure, shapes and dtypes the queue takes."""
+    call = "trajectory_queue.init"
+    check_sizes(call, add_batch_size=add_batch_size, max_length_time_axis=max_length_time_axis)
     return TrajectoryQueueState(_Module(experience, add_batch_size, max_length_time_axis))
 
 
@@ -134,7 +142,7 @@ def can_sample(
 
 
 @dataclasses.dataclass(frozen=True)
-class TrajectoryQueue:
+class TrajectoryQueue(Generic[Experience]):
     """flashbax's container of pure functions for a trajectory queue: `init(experience)`,
     `add(state, batch)`, `sample(state) -> (state, sample)`, `can_sample(state)` and
     `can_add(state)`."""
@@ -189,6 +197,14 @@ def make_trajectory_queue(
     - `max_size`: if given, the steps kept in all; it sets `max_length_time_axis` to
         `max_size // add_batch_size` (with a warning).
     """
+    check_sizes(
+        "make_trajectory_queue",
+        max_length_time_axis=max_length_time_axis,
+        add_batch_size=add_batch_size,
+        add_sequence_length=add_sequence_length,
+        sample_sequence_length=sample_sequence_length,
+        max_size=max_size,
+    )
     validate_trajectory_queue_args(
         max_length_time_axis, add_batch_size, sample_sequence_length, max_size
     )
