@@ -5,6 +5,6 @@ report). `_harness.py` holds what every workload shares (items, timing, the subp
 machine info, result files, and the calls whose form changed between dejax_eqx versions);
 `uniform.py` (W1-W4), `trajectory.py` (W5), `prioritised.py` (W6), `sequences.py` (W7),
 `prioritised_sequences.py` (W8), `flashbax_dropin.py` (W9), `actor_add.py` (W10),
-`datasets.py` (W11) and `dispatch.py` (W12) hold the workloads, as functions only. Workload
-modules import `_harness`, never the entry point.
+`datasets.py` (W11), `dispatch.py` (W12), `stoix_steps.py` (W13) and `check_cost.py` (W14)
+hold the workloads, as functions only. Workload modules import `_harness`, never the entry point.
 """

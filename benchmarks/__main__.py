@@ -36,6 +36,8 @@ f32[128], "action": i32[], "reward": f32[], "done": bool[]}` unless a workload s
 | W10 | Python loop of 2,000 adds from NumPy: 8 of 16 envs, 64 of 64 (actor_add) | µs/add |
 | W11 | 16 envs' steps to disk, 1,024 at a time, read back: Dataset, NumPy, Vault | MB/s |
 | W12 | 2,000 donated jax.jit steps from Python, 4 buffers, module vs leaves (dispatch) | µs/step |
+| W13 | Stoix-shaped learner steps from Python: item, rainbow, r2d2 (stoix_steps) | ms/step |
+| W14 | a tiny jitted step with 0, 1, 16 checks; a heavy one's return (check_cost) | µs/call |
 """
 
 import argparse
@@ -57,12 +59,14 @@ if os.environ.get("PYTHONPATH"):
 from . import (
     _harness as h,
     actor_add,
+    check_cost,
     datasets,
     dispatch,
     flashbax_dropin,
     prioritised,
     prioritised_sequences,
     sequences,
+    stoix_steps,
     trajectory,
     uniform,
 )
@@ -81,6 +85,8 @@ WORKLOADS = {
     "W10": actor_add.w10,
     "W11": datasets.w11,
     "W12": dispatch.w12,
+    "W13": stoix_steps.w13,
+    "W14": check_cost.w14,
 }
 
 
@@ -127,14 +133,18 @@ _W9_SYSTEMS = tuple(
 
 
 # W10: the actor loop's add from Python, by dispatch path; flashbax adds every env at once, so it
-# runs only where every env is added.
+# runs only where every env is added, and so does our add without `env_ids`; with 64 envs, also
+# our add with the checks as NaNs.
 _W10_SYSTEMS = (
     "dejax_eqx eqx.filter_jit",
     "dejax_eqx jax.jit",
     "dejax_eqx prioritised, jax.jit",
     "raw",
 )
-_W10 = tuple((s, n) for n in (16, 64) for s in (*_W10_SYSTEMS, *(("flashbax",) if n == 64 else ())))
+_W10_LOCK_STEP = ("dejax_eqx lock-step jax.jit", "dejax_eqx jax.jit, EQX_ON_ERROR=nan", "flashbax")
+_W10 = tuple(
+    (s, n) for n in (16, 64) for s in (*_W10_SYSTEMS, *(_W10_LOCK_STEP if n == 64 else ()))
+)
 
 
 # W11: writes and reads of the same steps by each system.
@@ -152,6 +162,30 @@ _W11 = tuple(
 _W12 = (
     *(f"dejax_eqx, {b}{e}" for e in ("", ", EQX_ON_ERROR=nan") for b in dispatch.BUFFERS),
     *(f"{s}, {b} flatten" for b in dispatch.BUFFERS for s in ("dejax_eqx", "raw", "flashbax")),
+)
+
+
+# W13: Stoix-shaped learner steps through flashbax's API, on flashbax and on the drop-in, with
+# the error checks as host callbacks (the default) and as NaNs.
+_W13 = tuple(
+    f"{s}, {part}{e}"
+    for part in stoix_steps.PARTS
+    for s, e in (
+        ("flashbax", ""),
+        ("dejax_eqx.compat.flashbax", ""),
+        ("dejax_eqx.compat.flashbax", ", EQX_ON_ERROR=nan"),
+    )
+)
+
+
+# W14: the checks alone: a tiny step with k checks, and the return of a heavy step with k checks,
+# with the checks as host callbacks and as NaNs.
+_W14 = tuple(
+    (f"checks{mode}{e}", k)
+    for mode in ("", ", heavy")
+    for e in ("", ", EQX_ON_ERROR=nan")
+    for k in (0, 1, 16)
+    if not (k == 0 and e)  # no check: nothing for EQX_ON_ERROR to change
 )
 
 
@@ -184,6 +218,8 @@ def plan(quick: bool) -> list[tuple[str, str, int, int, int]]:
             *[("W10", s, n, 20, 1) for s, n in _W10],
             *[("W11", s, 2048, 1, 1) for s in _W11],
             *[("W12", s, 10_000, 20, 1) for s in _W12],
+            *[("W13", s, 0, 5, 1) for s in _W13],
+            *[("W14", s, k, 20, 1) for s, k in _W14],
         ]
     r = 5
     return [
@@ -221,6 +257,8 @@ def plan(quick: bool) -> list[tuple[str, str, int, int, int]]:
         *[("W10", s, n, 2000, r) for s, n in _W10],
         *[("W11", s, 16_384, 1, r) for s in _W11],
         *[("W12", s, 100_000, 2000, r) for s in _W12],
+        *[("W13", s, 0, stoix_steps.STEPS, 7) for s in _W13],
+        *[("W14", s, k, 2000 if "heavy" not in s else 1, r) for s, k in _W14],
     ]
 
 

@@ -14,6 +14,8 @@ Systems:
 - `dejax_eqx eqx.filter_jit`: `TrajectoryBuffer.add` under `eqx.filter_jit(donate="all")`.
 - `dejax_eqx jax.jit`: the same under plain `jax.jit(..., donate_argnums=0)` (the fast path: a
     buffer holds only arrays).
+- `dejax_eqx lock-step jax.jit` (64 envs only): `TrajectoryBuffer.add` of every env in
+    order, without `env_ids`, as flashbax's add takes them.
 - `dejax_eqx prioritised, jax.jit`: `PrioritisedTrajectoryBuffer.add` (the example's buffer:
     windows of 27 steps every 8, so each add also updates the sum tree), plain `jax.jit`.
 - `raw`: the floor, per-env rings of plain arrays with a head per env, one scatter per leaf at
@@ -77,6 +79,9 @@ def _add_fn(system: str, num_envs: int):
         if system == "dejax_eqx eqx.filter_jit":
             return state, eqx.filter_jit(add, donate="all")
         return state, jax.jit(add, donate_argnums=0)
+    if system == "dejax_eqx lock-step jax.jit":
+        state = dx.TrajectoryBuffer(_prototype(), num_envs=num_envs, max_length=MAX_LENGTH)
+        return state, jax.jit(lambda buf, s, i: buf.add(s), donate_argnums=0)
     if system == "dejax_eqx prioritised, jax.jit":
         state = h.prioritised_trajectory_buffer(
             _prototype(), num_envs, MAX_LENGTH, 16, burn_in=8, bootstrap=3, period=8
@@ -120,11 +125,12 @@ def _add_fn(system: str, num_envs: int):
 
 def w10(system: str, num_envs: int, steps: int, repeats: int) -> dict:
     per_add = {16: 8, 64: 64}.get(num_envs, num_envs)
-    if system == "flashbax" and per_add != num_envs:
-        raise ValueError("flashbax's trajectory buffer adds every env at once (lock-step only)")
+    lock_step = system in ("flashbax", "dejax_eqx lock-step jax.jit")
+    if lock_step and per_add != num_envs:
+        raise ValueError(f"{system} adds every env at once (lock-step only)")
     state, add = _add_fn(system, num_envs)
     inputs = _inputs(num_envs, per_add)
-    if system == "flashbax":  # lock-step: every env, in env order
+    if lock_step:  # every env, in env order
         inputs = [(steps_, np.arange(num_envs, dtype=np.int32)) for steps_, _ in inputs]
 
     def loop(state, key):
