@@ -238,7 +238,10 @@ def _read_leaf(file: _Reader, spec: Any) -> Any:
             f"the payload holds a {array.dtype}{list(array.shape)} array where the header "
             f"promised {spec.dtype}{list(spec.shape)}"
         )
-    return jnp.asarray(array)  # on the default device
+    # A copy, on the default device: `jnp.asarray` may share an aligned NumPy array's memory
+    # (jax 0.5.3 on CPU does), and a donated leaf that XLA cannot reuse is copied whole, with no
+    # warning, at the first jitted step after `load`.
+    return jnp.array(array)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -210,3 +210,13 @@ def python_blocks_with_lines(text: str) -> list[tuple[int, str]]:
 def python_blocks(text: str) -> list[str]:
     """The ```python blocks of a markdown page or docstring, dedented, ready to `exec`."""
     return [code for _, code in python_blocks_with_lines(text)]
+
+
+def enable_x64(new_val: bool = True):
+    """`jax.enable_x64` (JAX 0.8 and newer), or `jax.experimental.enable_x64` before it: the
+    same context manager, so the tests of 64-bit inputs run on every supported JAX."""
+    if hasattr(jax, "enable_x64"):
+        return jax.enable_x64(new_val)
+    from jax.experimental import enable_x64 as experimental
+
+    return experimental(new_val)

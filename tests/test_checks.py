@@ -10,7 +10,7 @@ import jaxtyping
 import numpy as np
 import pytest
 
-from .helpers import Transition
+from .helpers import enable_x64, Transition
 
 
 ITEM = {"obs": jnp.zeros((3,), jnp.float32), "info": (jnp.zeros((), jnp.int8),)}
@@ -227,7 +227,7 @@ def test_as_float_reports_what_the_dtype_cannot_hold():
         np.array([1e39, 1e39]), jnp.float32, "f", "x", mask=np.array([True, False])
     )[1]
     assert np.asarray(bad).tolist() == [True, False]
-    with jax.enable_x64(True):  # a JAX float64 array, converted by JAX, checked by JAX
+    with enable_x64(True):  # a JAX float64 array, converted by JAX, checked by JAX
         out, faults = as_float(jnp.asarray([1e39, 1.0]), jnp.float32, "f", "x")
         assert np.asarray(faults[0][0]).tolist() == [True, False]
         assert as_float(jnp.asarray([2**40], jnp.int64), jnp.float32, "f", "x")[1] == []

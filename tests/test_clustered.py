@@ -13,6 +13,7 @@ from hypothesis.stateful import initialize, invariant, rule
 from .helpers import (
     assert_frequencies,
     assert_tree_equal,
+    enable_x64,
     random_batch,
     random_item,
     SPECS,
@@ -411,7 +412,7 @@ def test_ids_are_checked_in_their_own_dtype():
         with pytest.raises(RuntimeError, match=ID_ERROR):
             _add_batch(replay, _id_items([bad, 0], np.uint32))
     # int64 ids: 2**32 + 1 would wrap to the valid id 1 in int32.
-    with jax.enable_x64(True):
+    with enable_x64(True):
         replay = _id_replay(jnp.int64, 3)
         assert int(replay.add_batch(_id_items([1, 2], np.int64)).size) == 2
         with pytest.raises(RuntimeError, match=ID_ERROR):

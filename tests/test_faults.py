@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from .helpers import enable_x64
+
 
 FAULT = eqx.EquinoxRuntimeError
 ITEM = {"obs": jnp.zeros(2), "action": jnp.asarray(0, jnp.int32)}
@@ -42,7 +44,7 @@ def _int64_values(x64: bool):
 
 @pytest.fixture(params=[False, True], ids=["x32", "x64"])
 def x64(request):
-    with jax.enable_x64(request.param):
+    with enable_x64(request.param):
         yield request.param
 
 
@@ -95,7 +97,7 @@ def test_cluster_ids_do_not_wrap(x64):
 
 
 def test_cluster_fn_ids_do_not_wrap():
-    with jax.enable_x64(True):
+    with enable_x64(True):
 
         def wrapping(item):
             return jnp.asarray(2**32, jnp.int64) + item["action"].astype(jnp.int64)

@@ -15,6 +15,7 @@ from .helpers import (
     assert_frequencies,
     assert_tree_equal,
     bump,
+    enable_x64,
     random_batch,
     random_item,
     SPECS,
@@ -335,7 +336,7 @@ def test_masked_set_priorities_sets_and_checks_only_the_kept_entries():
 
 
 def test_set_priorities_checks_indices_in_their_own_dtype():
-    with jax.enable_x64(True):
+    with enable_x64(True):
         replay = dx.PrioritisedReplay(jnp.zeros(()), 4).add_batch(jnp.zeros(3))
         # 2**32 + 1 would wrap to the stored slot 1 in int32.
         with pytest.raises(RuntimeError, match="index out of range"):
@@ -438,7 +439,7 @@ def test_constructor_and_argument_validation():
 
 
 def test_float64_replay():
-    with jax.enable_x64(True):
+    with enable_x64(True):
         replay = dx.PrioritisedReplay(jnp.zeros(()), 4, dtype=jnp.float64)
         replay = replay.add_batch(jnp.zeros(3), jnp.array([1e-200, 1.0, 0.0]))
         s = replay.sample(jax.random.key(0), 8)

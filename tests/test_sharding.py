@@ -15,11 +15,19 @@ import dejax_eqx as dx
 import equinox as eqx
 import jax
 import numpy as np
+import pytest
 
 
 ROOT = Path(__file__).parent.parent
 
 
+# four_devices.py runs docs/sharding.md and examples/sharding_*.py, written for JAX 0.7+. On
+# 0.5.3, besides the missing names, the experimental shard_map has no replication rule for
+# equinox's error check and explicit mesh axes reject a select of mixed shardings.
+@pytest.mark.skipif(
+    not hasattr(jax.sharding, "reshard"),
+    reason="sharding needs JAX 0.7+ (jax.shard_map, jax.sharding.reshard, explicit mesh axes)",
+)
 def test_four_device_checks_pass_and_their_files_load_onto_one_device(
     tmp_path_factory, pytestconfig
 ):

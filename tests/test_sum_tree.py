@@ -11,6 +11,7 @@ from dejax_eqx import _sum_tree
 from hypothesis import given
 from hypothesis.stateful import initialize, invariant, rule, RuleBasedStateMachine
 
+from .helpers import enable_x64
 from .reference import BadPriorityError, RefSumTree
 
 
@@ -274,7 +275,7 @@ def test_set_find_cost_is_logarithmic_in_the_jaxpr():
 
 
 def test_float64_tree():
-    with jax.enable_x64(True):
+    with enable_x64(True):
         tree = dx.SumTree(10, dtype=jnp.float64)
         tree = tree.set(jnp.array([1, 2]), jnp.array([1e-300, 1.0]))
         assert tree.nodes.dtype == jnp.float64

@@ -11,7 +11,15 @@ import numpy as np
 import pytest
 from hypothesis.stateful import initialize, invariant, precondition, rule, RuleBasedStateMachine
 
-from .helpers import assert_frequencies, assert_tree_equal, random_batch, SPECS, to_numpy, unstack
+from .helpers import (
+    assert_frequencies,
+    assert_tree_equal,
+    enable_x64,
+    random_batch,
+    SPECS,
+    to_numpy,
+    unstack,
+)
 from .reference import EmptyBufferError, EnvIdError, RefTrajectoryBuffer
 
 
@@ -578,7 +586,7 @@ def test_add_bad_env_ids(jit):
 
 def test_env_ids_are_checked_in_their_own_dtype():
     # int64 ids under x64: 2**32 + 1 would wrap to the valid id 1 in int32.
-    with jax.enable_x64(True):
+    with enable_x64(True):
         buf = dx.TrajectoryBuffer(STEP, 3, 4)
         ids = np.asarray([2**32 + 1, 0], np.int64)
         with pytest.raises(RuntimeError, match="out of range"):
