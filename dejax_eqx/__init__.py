@@ -25,6 +25,7 @@ from ._prioritised_trajectory import (
     WindowMasses as WindowMasses,
 )
 from ._queue import TrajectoryQueue as TrajectoryQueue
+from ._rate_limiter import RateLimited as RateLimited, RateLimiter as RateLimiter
 from ._storage import CircularBuffer as CircularBuffer
 from ._streams import Streams as Streams
 from ._sum_tree import SumTree as SumTree

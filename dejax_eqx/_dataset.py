@@ -28,6 +28,7 @@ import os
 from pathlib import Path
 from typing import Any, TypeVar
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -55,12 +56,13 @@ from ._dataset_files import (
     Writer,
 )
 from ._prioritised_trajectory import PrioritisedTrajectoryBuffer
+from ._rate_limiter import RateLimited
 from ._sequences import draw_whole_windows, whole_windows
 from ._streams import gather_steps, Streams
 from ._windows import as_whole_window, mask_windows, SequenceSample, Window
 
 
-_B = TypeVar("_B", bound=AbstractTrajectoryBuffer)
+_B = TypeVar("_B", bound=AbstractTrajectoryBuffer | RateLimited)
 _Int = Integer[ArrayLike, ""]  # an env id or a step number: what `sample` returns too
 
 # A hook for the crash-safety tests: called after a write's chunks are in place and before
@@ -69,6 +71,7 @@ _BEFORE_COMMIT: Any = None
 
 
 def _spec_of_like(like: Any, call: str) -> PyTree[jax.ShapeDtypeStruct]:
+    like = _unwrapped(like)[0]
     if isinstance(like, AbstractTrajectoryBuffer):
         return like.item_spec
     return as_prototype(like, f"{call}(like=...)")
@@ -88,7 +91,7 @@ class Dataset:
         `AbstractTrajectoryBuffer`) took since the previous write, and refuses, writing
         nothing, if some were overwritten before they could be written. From a
         `PrioritisedTrajectoryBuffer` it also stores the priorities of its windows and its
-        `max_priority`.
+        `max_priority`; from a `RateLimited` its buffer's steps and its limiter's counts.
     - `append(steps, env_ids=None)` appends steps given directly (`[n, T, ...]`).
     - `read(env, start, stop)` reads a range of one env's steps; `sample(key, batch_size,
         window)` draws random whole windows (a strict `Window`); neither loads the dataset.
@@ -257,14 +260,16 @@ class Dataset:
         )
         self._commit(manifest, call)
 
-    def write(self, buffer: AbstractTrajectoryBuffer) -> int:
+    def write(self, buffer: AbstractTrajectoryBuffer | RateLimited) -> int:
         """Append the steps each env of `buffer` took since the previous write; return how
         many were written. Call it on the host, between jitted steps.
 
         The first write of a dataset starts each env at the oldest step the buffer still
         holds. From a `PrioritisedTrajectoryBuffer`, every write also stores the priority of
         each window the buffer holds (as of now, in a new segment: what was committed before
-        is never rewritten) and its `max_priority`.
+        is never rewritten) and its `max_priority`. From a `RateLimited` wrapping a trajectory
+        buffer, it writes the buffer and records the limiter's `counts()`; a write from a
+        buffer without a limiter records none (`append` keeps what was recorded).
 
         **Raises:** `ValueError`, writing nothing, if:
 
@@ -280,6 +285,7 @@ class Dataset:
         `TypeError` for a traced or abstract buffer, and `RuntimeError` as for `append`.
         """
         call = "Dataset.write"
+        buffer, limited = _unwrapped(buffer)
         t = _streams_of(buffer, self._manifest, call, "the buffer")
         _check_host(t, call, "the buffer's leaves")
         count = np.asarray(t.step_count, np.int64)
@@ -289,17 +295,13 @@ class Dataset:
             manifest = dataclasses.replace(manifest, start=(count - stored).tolist())
         start = np.asarray(manifest.start, np.int64)
         new = _new_steps(count, stored, start + self.lengths, t.max_length, call)
-        prioritised = isinstance(buffer, PrioritisedTrajectoryBuffer)
-        if prioritised:
-            _check_priorities(manifest, buffer, call, "the buffer's")
-            settings = _priority_settings(buffer) | {"max_priority": float(buffer.max_priority)}
-            manifest = dataclasses.replace(manifest, priorities=settings)
+        manifest = _with_settings(manifest, buffer, limited, call)
         _check_count(self.ends, new, call)
         self._writer.begin(call)
         steps = _newest(t, new)
         per_env = {int(e): [x[e, : new[e]] for x in steps] for e in np.flatnonzero(new)}
         self._files.write(self.lengths, per_env, call)
-        if prioritised:
+        if isinstance(buffer, PrioritisedTrajectoryBuffer):
             manifest = _with_segment(self._files, manifest, buffer, start, call)
         manifest = dataclasses.replace(
             manifest, length=(self.lengths + new).tolist(), writes=manifest.writes + 1
@@ -377,16 +379,16 @@ class Dataset:
         holds for it, and the buffer its `max_priority`; windows with none (steps written
         with `append`, or from a plain buffer) get `max_priority`, as new windows do.
 
-        `like` may come from `eqx.filter_eval_shape`.
+        For a `RateLimited` `like`, the buffer comes back wrapped, its limiter with the counts
+        the last write recorded. `like` may come from `eqx.filter_eval_shape`.
 
         **Raises:** `ValueError` if `like`'s steps or number of envs differ from the
         dataset's, or its priority exponent, period or window from those the priorities
-        were written with, or a chunk it reads is damaged.
+        were written with, or a chunk it reads is damaged; for a `RateLimited` `like`, if
+        the last write recorded no counts (load `like.buffer` and wrap it yourself).
         """
         call = "Dataset.load"
-        template = _streams_of(like, self._manifest, call, "`like`")
-        if isinstance(like, PrioritisedTrajectoryBuffer):  # before any reading
-            _check_priorities(self._manifest, like, call, "`like`'s")
+        inner, template, limited = _template(self._manifest, like, call)  # before any reading
         ends, kept = self.ends, np.minimum(self.lengths, template.max_length)
         data = [
             np.zeros((self.num_envs, template.max_length, *leaf["shape"]), leaf["dtype"])
@@ -398,10 +400,8 @@ class Dataset:
             for out, x in zip(data, values):
                 out[e, : kept[e]] = x
         steps = jax.tree.unflatten(jax.tree.structure(self._spec), data)
-        buffer = like.with_streams(template.restore(steps, ends, kept))
-        if isinstance(buffer, PrioritisedTrajectoryBuffer):
-            buffer = _load_priorities(self._files, self._manifest, buffer, call)
-        return buffer  # type: ignore[return-value]
+        buffer = inner.with_streams(template.restore(steps, ends, kept))
+        return _restored(self._files, self._manifest, buffer, limited, call)
 
 
 def _range(
@@ -665,3 +665,65 @@ def _load_priorities(
         stored = files.masses(manifest, e, starts, call)
         masses[e, leaves] = np.where(np.isnan(stored), masses[e, leaves], stored)
     return buffer.with_window_masses(masses, max_priority=top)
+
+
+# ---------------------------------------------------------------------------------------------
+# A `RateLimited` buffer: its buffer is written and loaded as any other, its limiter's counts
+# go in the manifest.
+
+
+def _unwrapped(x: Any) -> tuple[Any, RateLimited | None]:
+    """`(buffer, limited)`: the buffer a `RateLimited` wraps and the wrapper, or `x` and `None`."""
+    return (x.buffer, x) if isinstance(x, RateLimited) else (x, None)
+
+
+def _with_settings(
+    manifest: Manifest, buffer: Any, limited: RateLimited | None, call: str
+) -> Manifest:
+    """`manifest` with what a write records besides steps: a prioritised buffer's settings
+    (checked against those written before) and a limiter's counts, or none."""
+    counts = None
+    if limited is not None:
+        inserts, samples = limited.limiter.counts()
+        counts = {"inserts": inserts, "samples": samples}
+    manifest = dataclasses.replace(manifest, limiter=counts)
+    if not isinstance(buffer, PrioritisedTrajectoryBuffer):
+        return manifest
+    _check_priorities(manifest, buffer, call, "the buffer's")
+    settings = _priority_settings(buffer) | {"max_priority": float(buffer.max_priority)}
+    return dataclasses.replace(manifest, priorities=settings)
+
+
+def _template(
+    manifest: Manifest, like: Any, call: str
+) -> tuple[AbstractTrajectoryBuffer, Streams, RateLimited | None]:
+    """`load`'s `like`, checked before anything is read: `(buffer, streams, limited)`, the
+    template buffer, its streams, and for a `RateLimited` the wrapper with the counts the
+    dataset records (else `None`)."""
+    like, limited = _unwrapped(like)
+    template = _streams_of(like, manifest, call, "`like`")
+    if isinstance(like, PrioritisedTrajectoryBuffer):
+        _check_priorities(manifest, like, call, "`like`'s")
+    if limited is None:
+        return like, template, None
+    counts = manifest.limiter
+    if counts is None:
+        raise ValueError(
+            f"`{call}`: `like` is a RateLimited, but the dataset records no limiter counts: "
+            "its last write was from a buffer without a limiter (or before datasets recorded "
+            "them). Load `like.buffer`, and wrap it with a limiter of the counts you choose: "
+            "`RateLimited(dataset.load(like.buffer), like.limiter.with_counts(inserts, samples))`."
+        )
+    limiter = limited.limiter.with_counts(counts["inserts"], counts["samples"])
+    return like, template, eqx.tree_at(lambda r: r.limiter, limited, limiter)
+
+
+def _restored(
+    files: Files, manifest: Manifest, buffer: Any, limited: RateLimited | None, call: str
+) -> Any:
+    """The loaded `buffer` with its stored priorities, wrapped as `limited` if given."""
+    if isinstance(buffer, PrioritisedTrajectoryBuffer):
+        buffer = _load_priorities(files, manifest, buffer, call)
+    if limited is None:
+        return buffer
+    return eqx.tree_at(lambda r: r.buffer, limited, buffer)

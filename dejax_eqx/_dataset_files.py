@@ -59,6 +59,8 @@ TIME_AXIS = INT32_MAX  # as many steps as an env's int32 step count can number
 _LEGACY_PRIORITY = "priority"  # format 1's one array of masses
 _SEGMENT = re.compile(r"priorities/(0|[1-9][0-9]*)")
 _PRIORITY_KEYS = {"priority_exponent", "period", "window", "max_priority"}
+_LIMITER_KEYS = {"inserts", "samples"}
+_OPTIONAL = {"limiter"}  # keys a manifest may leave out
 _CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
 
 
@@ -104,9 +106,15 @@ class Manifest:
     # The SHA-256 of each array's zarr.json, by directory ("leaves/0", "priorities/3").
     digests: dict[str, str] = dataclasses.field(default_factory=dict)
     format: int = FORMAT  # what the file on disk is; only format 2 is ever written
+    # The counts of a `RateLimited`'s limiter as of the last write, if it was from one:
+    # {"inserts", "samples"}. Optional in the file (absent when None), so that a dataset
+    # written without counts has the bytes it had before there were any.
+    limiter: dict | None = None
 
     def body(self) -> dict:
         out = dataclasses.asdict(self)
+        if out["limiter"] is None:
+            del out["limiter"]
         return out | {"format": FORMAT, "library": importlib.metadata.version("dejax_eqx")}
 
 
@@ -177,16 +185,16 @@ def parse_manifest(data: bytes, file: Path, call: str) -> Manifest:
         raise _bad(call, file, "it has no checksum")
     keys = {f.name for f in dataclasses.fields(Manifest)} | {"library"}
     if version == 1:
-        keys -= {"segments", "digests"}
+        keys -= {"segments", "digests", *_OPTIONAL}
     else:
         keys |= {"checksum"}
-    missing, unknown = sorted(keys - raw.keys()), sorted(raw.keys() - keys)
+    missing, unknown = sorted(keys - raw.keys() - _OPTIONAL), sorted(raw.keys() - keys)
     if missing or unknown:
         what = f"it lacks {missing}" if missing else f"it has unknown keys {unknown}"
         raise _bad(call, file, what)
     if not isinstance(raw["library"], str):
         raise _bad(call, file, f"`library` must be a string, got {raw['library']!r}")
-    fields = {k: raw[k] for k in keys - {"library", "checksum"}}
+    fields = {k: raw[k] for k in keys - {"library", "checksum"} if k in raw}
     _check_fields(types.SimpleNamespace(**fields), call, file)  # before trusting their types
     manifest = Manifest(**fields)
     if version == 1:
@@ -218,6 +226,7 @@ def _check_fields(m: Any, call: str, file: Path) -> None:
                 f"NumPy dtype name}}, got {leaf!r}",
             )
     _check_priorities(m, call, file)
+    _check_limiter(vars(m).get("limiter"), call, file)
     if m.format == FORMAT:
         _check_segments(m, call, file)
         names = [f"leaves/{i}" for i in range(len(m.leaves))] + [s["name"] for s in m.segments]
@@ -257,6 +266,19 @@ def _check_priorities(m: Any, call: str, file: Path) -> None:
             file,
             "`priorities` must be null or {priority_exponent: a finite number, period: an "
             f"int >= 1, window: an int >= 1, max_priority: a finite number >= 0}}, got {p!r}",
+        )
+
+
+def _check_limiter(counts: Any, call: str, file: Path) -> None:
+    if counts is None:
+        return
+    ok = isinstance(counts, dict) and set(counts) == _LIMITER_KEYS
+    if not ok or not all(_is_int(x) and 0 <= x < 2**63 for x in counts.values()):
+        raise _bad(
+            call,
+            file,
+            "`limiter` must be absent or {inserts: an int in [0, 2**63), samples: an int in "
+            f"[0, 2**63)}}, got {counts!r}",
         )
 
 

@@ -1,0 +1,773 @@
+"""Rate limiting inside `jit`: `RateLimiter`, a module of counters that evaluates the rate law
+of `_rates.py`, and `RateLimited`, a buffer together with its limiter.
+
+Blocking is not here: a jitted loop asks the predicates and budgets and does as much as they
+allow; a host service for threads waits on them. The limiter itself is pure, like the buffers.
+"""
+
+import numbers
+from fractions import Fraction
+from typing import Any, TypeVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, ArrayLike, Bool, Int, Integer, PRNGKeyArray, PyTree, UInt32
+
+from ._abstract import AbstractPrioritisedReplay, AbstractReplay, AbstractTrajectoryBuffer
+from ._checks import (
+    check_faults,
+    check_index,
+    check_nonnegative_int,
+    check_positive_int,
+    Fault,
+    is_concrete,
+)
+from ._clustered import ClusteredReplay
+from ._int64 import (
+    add_constant,
+    add_product,
+    floor_div,
+    from_int,
+    Int64,
+    less,
+    less_equal,
+    negate,
+    sub_product,
+    to_int,
+)
+from ._prioritised_trajectory import PrioritisedTrajectoryBuffer
+from ._queue import TrajectoryQueue
+from ._rates import as_fraction, Rate, UNLIMITED
+from ._trajectory import TrajectoryBuffer
+
+
+_L = TypeVar("_L", bound="RateLimiter")
+_W = TypeVar("_W", bound="RateLimited")
+
+# The invariants a limiter's counters keep, checked on every change (see `_rates.py`): every
+# sum the predicates form then fits 64 bits.
+_MAX_COUNT = 2**63 - 1
+_MAX_BALANCE = 2**62
+
+
+class RateLimiter(eqx.Module):
+    """Reverb's rate limiter as a pure module: cumulative counts of inserted items and sampled
+    rows, and the law that says when an insert or a sample may proceed.
+
+    With `I` items inserted and `S` rows sampled so far, and `spi = samples_per_insert`, the
+    *balance* is `I * spi - S`, the samples owed to the data inserted:
+
+    - an insert of `n` items may proceed while the buffer fills (`I + n <=
+        min_size_to_sample`), and after that if it leaves the balance at most `max_diff`;
+    - a sample of `n` rows may proceed once `I >= min_size_to_sample`, if it leaves the
+        balance at least `min_diff`.
+
+    So the learner samples about `spi` rows per inserted item, within `[min_diff, max_diff]`
+    of that ratio: the actors wait when the learner falls behind, the learner when the actors
+    do. Every bound is held exactly (as fractions, scaled to integers), and the counts in 64
+    bits (as two 32-bit words each: JAX has no `int64` without 64-bit mode), so a run never
+    drifts and never wraps.
+
+    Use the predicates (`can_insert`, `can_sample`) or the budgets (`sample_budget`,
+    `insert_budget`) to decide what to do, then count what was done with `insert` and
+    `sample`, which raise if the law did not allow it. Everything is jittable, works under
+    `eqx.filter_jit(donate="all")`, as a `lax.scan` or `lax.while_loop` carry, with
+    `eqx.filter_vmap` (one limiter per agent) and with `dx.save`/`dx.load`. To limit a buffer,
+    wrap both in a `RateLimited`, which counts for you.
+
+    Every configuration is checked for deadlock when it is made: if some state would let
+    neither an insert of `insert_batch_size` items nor a sample of `sample_batch_size` rows
+    proceed, the constructor refuses it and says why. Calls with more than those sizes are
+    refused too (they could deadlock).
+
+    !!! Example
+
+        ```python
+        import equinox as eqx
+        import jax
+        import dejax_eqx as dx
+
+        # 4 sampled rows per inserted item, give or take 64, from 100 items on.
+        limiter = dx.RateLimiter.sample_to_insert_ratio(
+            4, 100, 64, insert_batch_size=8, sample_batch_size=32
+        )
+
+        @eqx.filter_jit(donate="all")
+        def learn(limiter):
+            def update(i, limiter):
+                return limiter.sample(32)  # and a gradient step on 32 sampled rows
+            # Exactly as many updates as the limiter allows now.
+            return jax.lax.fori_loop(0, limiter.sample_budget(32), update, limiter)
+
+        for _ in range(13):
+            limiter = limiter.insert(8)  # 104 items: sampling may start
+        limiter = learn(limiter)
+        assert limiter.counts() == (104, 64)  # a balance of 4 * 104 - 64 = min_diff + 16
+        assert not limiter.can_sample(32) and limiter.can_insert(8)
+        ```
+    """
+
+    rate: Rate = eqx.field(static=True)
+    """The configuration and the law on Python ints (a frozen dataclass; see `_rates.py`)."""
+    inserts: UInt32[Array, " 2"]
+    """The items inserted so far, a 64-bit count as the words `(hi, lo)`; `counts()` reads it."""
+    samples: UInt32[Array, " 2"]
+    """The rows sampled so far, likewise."""
+    balance: UInt32[Array, " 2"]
+    """The scaled balance `inserts * p - samples * scale` (signed, likewise): what the
+    predicates read, kept with the counts so that they need no 64-bit multiplication."""
+
+    def __init__(
+        self,
+        samples_per_insert: int | float | Fraction,
+        min_size_to_sample: int,
+        min_diff: int | float | Fraction | None,
+        max_diff: int | float | Fraction | None,
+        *,
+        insert_batch_size: int = 1,
+        sample_batch_size: int = 1,
+    ):
+        """**Arguments:**
+
+        - `samples_per_insert`: the target number of sampled rows per inserted item, a
+            positive int, float or `Fraction`. A float is taken at its shortest decimal form
+            (`0.3` is exactly `3/10`).
+        - `min_size_to_sample`: the number of items to insert before sampling may start, a
+            positive int.
+        - `min_diff`, `max_diff`: the least and most balance `inserts * samples_per_insert -
+            samples` allowed after a sample or insert, numbers (decimals taken as for
+            `samples_per_insert`), or `None`/`-math.inf`/`math.inf` for no bound.
+        - `insert_batch_size`, `sample_batch_size`: the most items one insert and rows one
+            sample may count (default 1). The deadlock check holds for these sizes, so larger
+            calls are refused.
+
+        **Raises:** `TypeError`/`ValueError` naming the argument; `ValueError` saying why for
+        a configuration that can deadlock, or whose scaled bounds do not fit 62 bits.
+        """
+        self.rate = Rate.make(
+            samples_per_insert,
+            min_size_to_sample,
+            min_diff,
+            max_diff,
+            insert_batch_size,
+            sample_batch_size,
+            "RateLimiter",
+        )
+        self.inserts = from_int(0)
+        self.samples = from_int(0)
+        self.balance = from_int(0)
+
+    # --- Reverb's constructors --------------------------------------------------------------
+
+    @classmethod
+    def sample_to_insert_ratio(
+        cls: type[_L],
+        samples_per_insert: int | float | Fraction,
+        min_size_to_sample: int,
+        error_buffer: int | float | Fraction | tuple[Any, ...] | list[Any],
+        *,
+        insert_batch_size: int = 1,
+        sample_batch_size: int = 1,
+    ) -> _L:
+        """Reverb's `SampleToInsertRatio`: about `samples_per_insert` rows sampled per item
+        inserted, once `min_size_to_sample` items are in.
+
+        The balance is centred on `offset = samples_per_insert * min_size_to_sample` (what it
+        is when sampling starts): `error_buffer` is the slack either way, `min_diff = offset -
+        error_buffer` and `max_diff = offset + error_buffer`, or, as in Reverb, a pair
+        `(min_diff, max_diff)` given directly. The slack must hold a batch of either kind
+        (about `samples_per_insert * insert_batch_size + sample_batch_size` rows wide): the
+        deadlock check says when it does not.
+        """
+        call = "RateLimiter.sample_to_insert_ratio"
+        if isinstance(error_buffer, tuple | list):
+            if len(error_buffer) != 2:
+                raise ValueError(
+                    f"`{call}(error_buffer=...)` must be a number or a pair (min_diff, "
+                    f"max_diff), got {len(error_buffer)} values."
+                )
+            low, high = error_buffer
+        else:
+            spi = as_fraction(samples_per_insert, call, "samples_per_insert")
+            size = check_positive_int(min_size_to_sample, f"{call}(min_size_to_sample=...)")
+            slack = as_fraction(error_buffer, call, "error_buffer")
+            if slack < 0:
+                raise ValueError(f"`{call}(error_buffer=...)` must be >= 0, got {slack}.")
+            low, high = spi * size - slack, spi * size + slack
+        sizes = (insert_batch_size, sample_batch_size)
+        return _made(cls, call, samples_per_insert, min_size_to_sample, low, high, *sizes)
+
+    @classmethod
+    def min_size(
+        cls: type[_L],
+        min_size_to_sample: int,
+        *,
+        insert_batch_size: int = UNLIMITED,
+        sample_batch_size: int = UNLIMITED,
+    ) -> _L:
+        """Reverb's `MinSize`: sampling may start once `min_size_to_sample` items are in, and
+        nothing else is limited (`samples_per_insert` 1, no `min_diff`, no `max_diff`).
+
+        An unbounded law cannot deadlock, so calls of any size (up to `2**31 - 1`) are
+        allowed unless the batch sizes say less."""
+        sizes = (insert_batch_size, sample_batch_size)
+        return _made(cls, "RateLimiter.min_size", 1, min_size_to_sample, None, None, *sizes)
+
+    @classmethod
+    def queue(
+        cls: type[_L], size: int, *, insert_batch_size: int = 1, sample_batch_size: int = 1
+    ) -> _L:
+        """Reverb's `Queue`: each item sampled once, in turn with inserts, at most `size`
+        ahead (`samples_per_insert` 1, `min_size_to_sample` 1, `min_diff` 0, `max_diff`
+        `size`). `size` must be at least `insert_batch_size + sample_batch_size - 1`."""
+        call = "RateLimiter.queue"
+        size = check_positive_int(size, f"{call}(size=...)")
+        return _made(cls, call, 1, 1, 0, size, insert_batch_size, sample_batch_size)
+
+    # --- configuration --------------------------------------------------------------------
+
+    @property
+    def samples_per_insert(self) -> Fraction:
+        """The target number of sampled rows per inserted item, exactly."""
+        return self.rate.samples_per_insert
+
+    @property
+    def min_size_to_sample(self) -> int:
+        """The number of items to insert before sampling may start."""
+        return self.rate.min_size_to_sample
+
+    @property
+    def min_diff(self) -> Fraction | None:
+        """The least balance after a sample, or `None` for none."""
+        return self.rate.min_diff
+
+    @property
+    def max_diff(self) -> Fraction | None:
+        """The most balance after an insert, or `None` for none."""
+        return self.rate.max_diff
+
+    @property
+    def insert_batch_size(self) -> int:
+        """The most items one insert may count."""
+        return self.rate.insert_batch_size
+
+    @property
+    def sample_batch_size(self) -> int:
+        """The most rows one sample may count."""
+        return self.rate.sample_batch_size
+
+    # --- the law, jitted ----------------------------------------------------------------------
+
+    def can_insert(self, n: Integer[ArrayLike, ""] = 1) -> Bool[Array, ""]:
+        """Whether an insert of `n` items may proceed now.
+
+        `n` is a Python int or an integer scalar array (may be traced), in `[0,
+        insert_batch_size]`: else `ValueError` at once for a Python int, an `eqx.error_if`
+        error for an array. Returns a boolean scalar array.
+        """
+        call = "RateLimiter.can_insert"
+        n, faults = _amount(n, self.insert_batch_size, call, "insert", "items")
+        return check_faults(insertable(self, n), faults)
+
+    def can_sample(self, n: Integer[ArrayLike, ""] = 1) -> Bool[Array, ""]:
+        """Whether a sample of `n` rows may proceed now: `n` as for `can_insert`, in `[0,
+        sample_batch_size]`."""
+        call = "RateLimiter.can_sample"
+        n, faults = _amount(n, self.sample_batch_size, call, "sample", "rows")
+        return check_faults(sampleable(self, n), faults)
+
+    def sample_budget(self, batch_size: int = 1) -> Int[Array, ""]:
+        """How many samples of `batch_size` rows may proceed now, one after another with no
+        insert between them: an int32 scalar array, `2**31 - 1` when nothing bounds them.
+
+        A learner's jitted loop may run exactly this many updates (`lax.fori_loop`).
+        `batch_size` is a positive Python int, at most `sample_batch_size`.
+        """
+        rate = self.rate
+        call = "RateLimiter.sample_budget"
+        b = _batch(batch_size, rate.sample_batch_size, call, "sample", "rows")
+        started = ~less(self.inserts, rate.min_size_to_sample)
+        if rate.scaled_min is None:
+            return jnp.where(started, UNLIMITED, 0).astype(jnp.int32)
+        room, _ = add_constant(self.balance, -rate.scaled_min)  # |both| < 2**62
+        return jnp.where(started, floor_div(room, b * rate.scale), 0)
+
+    def insert_budget(self, batch_size: int = 1) -> Int[Array, ""]:
+        """How many inserts of `batch_size` items may proceed now, one after another with no
+        sample between them: an int32 scalar array, `2**31 - 1` when nothing bounds them.
+        `batch_size` is a positive Python int, at most `insert_batch_size`."""
+        rate = self.rate
+        call = "RateLimiter.insert_budget"
+        step = _batch(batch_size, rate.insert_batch_size, call, "insert", "items")
+        if rate.scaled_max is None:
+            return jnp.asarray(UNLIMITED, jnp.int32)
+        size = rate.min_size_to_sample
+        # While the buffer fills, inserts pass whatever the balance: count those first. Then
+        # `inserts <= size - step` fits the low word.
+        filling = less_equal(self.inserts, size - step)
+        low = jnp.minimum(self.inserts[1], np.uint32(size)).astype(jnp.int32)
+        count = jnp.where(filling, (size - low) // step, 0)
+        filled, _ = add_product(self.balance, count * step, rate.p)  # at most size * p
+        room, _ = add_constant(negate(filled), rate.scaled_max)  # |both| < 2**62
+        more = floor_div(room, step * rate.p)
+        return count + jnp.minimum(more, UNLIMITED - count)
+
+    # --- counting -------------------------------------------------------------------------
+
+    def insert(self: _L, n: Integer[ArrayLike, ""] = 1) -> _L:
+        """Count an insert of `n` items (`n` as for `can_insert`).
+
+        **Returns:** the new limiter.
+
+        **Raises:** an `eqx.error_if` error if the law does not allow the insert now (call
+        `can_insert` first), if `n` is out of range, or if a count would pass `2**63`.
+        """
+        return count_inserts(self, n, "RateLimiter.insert")
+
+    def sample(self: _L, n: Integer[ArrayLike, ""] = 1) -> _L:
+        """Count a sample of `n` rows (`n` as for `can_sample`).
+
+        **Returns:** the new limiter.
+
+        **Raises:** an `eqx.error_if` error if the law does not allow the sample now (call
+        `can_sample` first), if `n` is out of range, or if a count would pass `2**63`.
+        """
+        return count_samples(self, n, "RateLimiter.sample")
+
+    # --- host -----------------------------------------------------------------------------
+
+    def counts(self) -> tuple[int, int]:
+        """`(inserts, samples)`: the items inserted and rows sampled so far, as exact Python
+        ints. Reads the device; call it outside `jit`.
+
+        **Raises:** `TypeError` inside `jit` (the counters are traced).
+        """
+        for x in (self.inserts, self.samples):
+            if not (isinstance(x, jax.Array | np.ndarray) and is_concrete(x)):
+                raise TypeError(
+                    "`RateLimiter.counts`: the counters are traced or abstract; read them "
+                    "outside `jit`, from a concrete limiter."
+                )
+        return to_int(self.inserts), to_int(self.samples)
+
+    def with_counts(self: _L, inserts: int, samples: int) -> _L:
+        """This limiter's configuration with the counts `inserts` and `samples` (to resume a
+        run, or to start one at a chosen point). `self` may come from `eqx.filter_eval_shape`.
+
+        **Raises:** `TypeError`/`ValueError` unless both are ints in `[0, 2**63)` whose
+        scaled balance `inserts * p - samples * scale` lies within `±2**62` (see `rate`).
+        """
+        call = "RateLimiter.with_counts"
+        inserts = check_nonnegative_int(inserts, f"{call}(inserts=...)", maximum=_MAX_COUNT)
+        samples = check_nonnegative_int(samples, f"{call}(samples=...)", maximum=_MAX_COUNT)
+        balance = self.rate.balance(inserts, samples)
+        if abs(balance) >= _MAX_BALANCE:
+            raise ValueError(
+                f"`{call}`: {inserts} inserts and {samples} samples make a scaled balance of "
+                f"{balance} (inserts * {self.rate.p} - samples * {self.rate.scale}), outside "
+                "(-2**62, 2**62), where the limiter keeps it."
+            )
+        words = [from_int(x) for x in (inserts, samples, balance)]
+        return eqx.tree_at(lambda r: (r.inserts, r.samples, r.balance), self, tuple(words))
+
+
+def _made(cls: type[_L], call: str, *args: Any) -> _L:
+    """A limiter of the configuration `Rate.make(*args)`, checked, and refused, under the name
+    of the constructor called."""
+    rate = Rate.make(*args, call=call)
+    return cls(
+        rate.samples_per_insert,
+        rate.min_size_to_sample,
+        rate.min_diff,
+        rate.max_diff,
+        insert_batch_size=rate.insert_batch_size,
+        sample_batch_size=rate.sample_batch_size,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The law on the device. The functions take amounts already checked by `_amount`.
+
+
+def insertable(limiter: RateLimiter, n: Int[Array, ""]) -> Bool[Array, ""]:
+    """`Rate.can_insert` on the device, for `n` in `[0, insert_batch_size]`."""
+    rate = limiter.rate
+    if rate.scaled_max is None:
+        return jnp.ones((), jnp.bool_)
+    total, over = add_product(limiter.inserts, n, 1)
+    filling = ~over & less_equal(total, rate.min_size_to_sample)
+    after, over = add_product(limiter.balance, n, rate.p)
+    return filling | (~over & less_equal(after, rate.scaled_max))
+
+
+def sampleable(limiter: RateLimiter, n: Int[Array, ""]) -> Bool[Array, ""]:
+    """`Rate.can_sample` on the device, for `n` in `[0, sample_batch_size]`."""
+    rate = limiter.rate
+    started = ~less(limiter.inserts, rate.min_size_to_sample)
+    if rate.scaled_min is None:
+        return started
+    after, over = sub_product(limiter.balance, n, rate.scale)
+    return started & ~over & ~less(after, rate.scaled_min)
+
+
+def count_inserts(limiter: _L, n: Integer[ArrayLike, ""], call: str) -> _L:
+    """`limiter` after an insert of `n` items, checked: the law, the range of `n`, and the
+    counters' range. `call` names the user's call in the messages."""
+    amount, faults = _amount(n, limiter.insert_batch_size, call, "insert", "items")
+    rate = limiter.rate
+    inserts, big = add_product(limiter.inserts, amount, 1)
+    balance, wide = add_product(limiter.balance, amount, rate.p)
+    faults = [
+        *faults,
+        (~insertable(limiter, amount), f"`{call}`: {_refused_insert(rate)}"),
+        (big | _outside(balance, wide), f"`{call}`: {_OVERFLOW}"),
+    ]
+    inserts, balance = check_faults((inserts, balance), faults)
+    return eqx.tree_at(lambda r: (r.inserts, r.balance), limiter, (inserts, balance))
+
+
+def count_samples(limiter: _L, n: Integer[ArrayLike, ""], call: str) -> _L:
+    """`limiter` after a sample of `n` rows, checked as `count_inserts` checks inserts."""
+    amount, faults = _amount(n, limiter.sample_batch_size, call, "sample", "rows")
+    rate = limiter.rate
+    samples, big = add_product(limiter.samples, amount, 1)
+    balance, wide = sub_product(limiter.balance, amount, rate.scale)
+    faults = [
+        *faults,
+        (~sampleable(limiter, amount), f"`{call}`: {_refused_sample(rate)}"),
+        (big | _outside(balance, wide), f"`{call}`: {_OVERFLOW}"),
+    ]
+    samples, balance = check_faults((samples, balance), faults)
+    return eqx.tree_at(lambda r: (r.samples, r.balance), limiter, (samples, balance))
+
+
+_OVERFLOW = (
+    "the limiter's counters would leave their range (counts below 2**63, the scaled balance "
+    "within ±2**62); a bound (`min_diff`, `max_diff`) that holds the balance keeps it there"
+)
+
+
+def _outside(balance: Int64, wrapped: Bool[Array, ""]) -> Bool[Array, ""]:
+    low = less_equal(balance, -_MAX_BALANCE)
+    return wrapped | low | ~less(balance, _MAX_BALANCE)
+
+
+def _refused_insert(rate: Rate) -> str:
+    return (
+        f"the rate limit does not allow this insert now (samples_per_insert = "
+        f"{rate.samples_per_insert}, min_size_to_sample = {rate.min_size_to_sample}, max_diff "
+        f"= {rate.max_diff}): the learner is behind. Call `can_insert` first, and insert when "
+        "it is True"
+    )
+
+
+def _refused_sample(rate: Rate) -> str:
+    return (
+        f"the rate limit does not allow this sample now (samples_per_insert = "
+        f"{rate.samples_per_insert}, min_size_to_sample = {rate.min_size_to_sample}, min_diff "
+        f"= {rate.min_diff}): fewer than min_size_to_sample items are in, or the actors are "
+        "behind. Call `can_sample` (or `sample_budget`) first, and sample when it allows"
+    )
+
+
+# What `kind` and `unit` the helpers below are given: ("insert", "items") or ("sample", "rows").
+
+
+def _batch(batch_size: Any, most: int, call: str, kind: str, unit: str) -> int:
+    """A budget's static batch size: positive, and at most the declared one."""
+    batch_size = check_positive_int(batch_size, f"{call}(batch_size=...)")
+    if batch_size > most:
+        what = f"`{call}(batch_size=...)` is {batch_size}"
+        raise ValueError(_too_many(what, most, kind, unit))
+    return batch_size
+
+
+def _too_many(what: str, most: int, kind: str, unit: str) -> str:
+    return (
+        f"{what}, above {kind}_batch_size = {most}, the most this limiter was declared for: "
+        f"its deadlock check holds for {kind}s of at most {most} {unit}, and a larger "
+        f"{kind} could deadlock it. Declare a larger `{kind}_batch_size`."
+    )
+
+
+def _amount(
+    n: Any, most: int, call: str, kind: str, unit: str
+) -> tuple[Int[Array, ""], list[Fault]]:
+    """The amount `n` of an insert or a sample as an int32 in `[0, most]` (0 where it is out
+    of range), and its faults. A Python int is checked now."""
+    if isinstance(n, numbers.Integral) and not isinstance(n, bool | np.generic):
+        n = int(n)
+        if n < 0:
+            raise ValueError(f"`{call}`: `n` must be non-negative, got {n}.")
+        if n > most:
+            raise ValueError(_too_many(f"`{call}`: {n} {unit} to {kind}", most, kind, unit))
+        return jnp.asarray(n, jnp.int32), []
+    index: Any = n
+    value, bad = check_index(index, most + 1, f"{call}(n=...)", ndim=0)
+    message = (
+        f"`{call}`: `n` must be in [0, {kind}_batch_size = {most}]; a larger {kind} could "
+        f"deadlock the limiter (its deadlock check holds for {kind}s of at most {most} {unit})"
+    )
+    return jnp.where(bad, 0, value), [(bad, message)]
+
+
+# ---------------------------------------------------------------------------------------------
+# A buffer with its limiter
+
+_Buffer = AbstractReplay | AbstractTrajectoryBuffer
+
+
+class RateLimited(eqx.Module):
+    """A buffer and its `RateLimiter`, which counts every insert and sample through it.
+
+    The wrapped buffer behaves exactly as it does alone (the same key gives the same sample);
+    each method forwards to it and counts what it did, raising (`eqx.error_if`) when the law
+    does not allow it: call `can_insert`/`can_sample` (or the budgets) first.
+
+    **Units.** Inserts are counted in *items* for a replay (`UniformReplay`,
+    `PrioritisedReplay`, `ClusteredReplay`) and in *steps* for a trajectory buffer
+    (`TrajectoryBuffer`, `PrioritisedTrajectoryBuffer`, `TrajectoryQueue`): `add` of `n`
+    envs' steps counts `n`, `extend` of `T` steps of `n` envs `n * T`. Samples are counted in
+    *rows*: the items, windows, sequences or transitions a sample returns (`batch_size`).
+    So `samples_per_insert` is rows per step for a trajectory buffer: an R2D2 learner that,
+    as with Reverb, samples each sequence of period `P` (one inserted every `P` steps) about 4
+    times sets `samples_per_insert = 4 / P`, and `min_size_to_sample` in steps.
+
+    | method | counts |
+    | --- | --- |
+    | `add(item)` (replay) | 1 insert |
+    | `add_batch(items, mask=None)` (replay) | `n` inserts, or `mask.sum()` |
+    | `add(items, env_ids=None)` (trajectory buffer) | 1 per listed env |
+    | `extend(items, env_ids=None)` (trajectory buffer) | envs × `T` |
+    | `sample(key, batch_size, ...)`, `sample_transitions(...)` | `batch_size` rows |
+    | `sample_mixed(key, replay_batch_size, online_batch_size, ...)` | both parts |
+    | `pop(sequence_length)` (`TrajectoryQueue`) | `num_envs` rows |
+    | `set_priorities(...)` | nothing |
+
+    For a change that is not counted (`update`, `reset_online_queue`, ...), replace the buffer:
+    `eqx.tree_at(lambda r: r.buffer, limited, limited.buffer.reset_online_queue())`.
+
+    `RateLimited` is final: it is not meant to be subclassed.
+
+    !!! Example
+
+        ```python
+        import jax
+        import jax.numpy as jnp
+        import dejax_eqx as dx
+
+        buf = dx.UniformReplay({"obs": jnp.zeros(2)}, max_size=1000)
+        limiter = dx.RateLimiter.sample_to_insert_ratio(
+            2, min_size_to_sample=10, error_buffer=16, insert_batch_size=4, sample_batch_size=8
+        )
+        limited = dx.RateLimited(buf, limiter)
+        while not limited.can_sample(8):
+            limited = limited.add_batch({"obs": jnp.ones((4, 2))})
+        limited, batch = limited.sample(jax.random.key(0), 8)
+        assert batch["obs"].shape == (8, 2) and limited.limiter.counts() == (12, 8)
+        ```
+    """
+
+    buffer: _Buffer
+    """The wrapped buffer, unchanged in behaviour."""
+    limiter: RateLimiter
+    """The counts, and the law they obey."""
+
+    def __init__(self, buffer: _Buffer, limiter: RateLimiter):
+        """**Arguments:**
+
+        - `buffer`: any buffer of the library: a replay (`AbstractReplay`) or a trajectory
+            buffer (`AbstractTrajectoryBuffer`). It may already hold data.
+        - `limiter`: a `RateLimiter`, with the counts to start from (`with_counts`).
+
+        **Raises:** `TypeError` for anything else; `ValueError` if the limiter's
+        `min_size_to_sample` is above the buffer's capacity in its units (`max_size` items,
+        or `num_envs * max_length` steps): sampling could never start.
+        """
+        call = "RateLimited"
+        if not isinstance(buffer, _Buffer):
+            raise TypeError(
+                f"`{call}(buffer=...)` must be a buffer of dejax_eqx (a replay or a trajectory "
+                f"buffer), got {type(buffer).__name__}."
+            )
+        if not isinstance(limiter, RateLimiter):
+            raise TypeError(
+                f"`{call}(limiter=...)` must be a `RateLimiter`, got {type(limiter).__name__}."
+            )
+        capacity, units = _capacity(buffer)
+        if limiter.min_size_to_sample > capacity:
+            raise ValueError(
+                f"`{call}`: the limiter's min_size_to_sample = {limiter.min_size_to_sample} "
+                f"is above the buffer's capacity of {capacity} {units}: sampling could never "
+                "start. Lower min_size_to_sample, or give the buffer more room."
+            )
+        self.buffer = buffer
+        self.limiter = limiter
+
+    # --- the law --------------------------------------------------------------------------
+
+    def can_insert(self, n: Integer[ArrayLike, ""] = 1) -> Bool[Array, ""]:
+        """`limiter.can_insert(n)`: whether `n` items (replay) or steps (trajectory buffer)
+        may be inserted now."""
+        return self.limiter.can_insert(n)
+
+    def can_sample(self, n: Integer[ArrayLike, ""] = 1) -> Bool[Array, ""]:
+        """`limiter.can_sample(n)`: whether `n` rows may be sampled now."""
+        return self.limiter.can_sample(n)
+
+    def sample_budget(self, batch_size: int = 1) -> Int[Array, ""]:
+        """`limiter.sample_budget(batch_size)`."""
+        return self.limiter.sample_budget(batch_size)
+
+    def insert_budget(self, batch_size: int = 1) -> Int[Array, ""]:
+        """`limiter.insert_budget(batch_size)`."""
+        return self.limiter.insert_budget(batch_size)
+
+    # --- inserts --------------------------------------------------------------------------
+
+    def add(self: _W, items: PyTree[ArrayLike], *args: Any, **kwargs: Any) -> _W:
+        """The buffer's `add`, counted: 1 insert for a replay's `add(item, ...)`, 1 per
+        listed env for a trajectory buffer's `add(items, env_ids=None)`.
+
+        **Raises:** what the buffer's `add` raises; an `eqx.error_if` error if the law does not
+        allow the insert (see `RateLimiter.insert`).
+        """
+        call = "RateLimited.add"
+        buffer = self.buffer.add(items, *args, **kwargs)
+        n = 1 if isinstance(self.buffer, AbstractReplay) else _leading(items)[0]
+        return self._counted(buffer, count_inserts(self.limiter, n, call))
+
+    def add_batch(
+        self: _W,
+        items: PyTree[ArrayLike],
+        *args: Any,
+        mask: Bool[ArrayLike, " n"] | None = None,
+        **kwargs: Any,
+    ) -> _W:
+        """A replay's `add_batch`, counted: `n` inserts, or `mask.sum()` with a `mask`.
+
+        **Raises:** `TypeError` for a trajectory buffer (use `add` or `extend`), what the
+        replay's `add_batch` raises, and an `eqx.error_if` error as `add`.
+        """
+        call = "RateLimited.add_batch"
+        if not isinstance(self.buffer, AbstractReplay):
+            raise TypeError(_not_for(call, self.buffer, "`add` or `extend`"))
+        buffer = self.buffer.add_batch(items, *args, mask=mask, **kwargs)
+        n = _leading(items)[0] if mask is None else jnp.sum(jnp.asarray(mask), dtype=jnp.int32)
+        return self._counted(buffer, count_inserts(self.limiter, n, call))
+
+    def extend(
+        self: _W, items: PyTree[ArrayLike], env_ids: Integer[ArrayLike, " n"] | None = None
+    ) -> _W:
+        """A trajectory buffer's `extend`, counted: `T` steps of each of `n` envs are `n * T`
+        inserts.
+
+        **Raises:** `TypeError` for a replay (use `add` or `add_batch`), what the buffer's
+        `extend` raises, and an `eqx.error_if` error as `add`.
+        """
+        call = "RateLimited.extend"
+        if not isinstance(self.buffer, AbstractTrajectoryBuffer):
+            raise TypeError(_not_for(call, self.buffer, "`add` or `add_batch`"))
+        buffer = self.buffer.extend(items, env_ids)
+        envs, length = _leading(items)
+        return self._counted(buffer, count_inserts(self.limiter, envs * length, call))
+
+    # --- samples --------------------------------------------------------------------------
+
+    def sample(
+        self: _W, key: PRNGKeyArray, batch_size: int, *args: Any, **kwargs: Any
+    ) -> tuple[_W, Any]:
+        """The buffer's `sample(key, batch_size, ...)`, counted: `batch_size` rows.
+
+        **Returns:** `(limited, sample)`: the new `RateLimited`, and what the buffer's
+        `sample` returns for the same arguments.
+
+        **Raises:** `TypeError` for a `TrajectoryQueue` (use `pop`), what the buffer's
+        `sample` raises, and an `eqx.error_if` error if the law does not allow the sample (see
+        `RateLimiter.sample`).
+        """
+        call = "RateLimited.sample"
+        buffer = self.buffer
+        if not isinstance(buffer, AbstractReplay | TrajectoryBuffer | PrioritisedTrajectoryBuffer):
+            raise TypeError(_not_for(call, buffer, "`pop`"))
+        batch_size = check_positive_int(batch_size, f"{call}(batch_size=...)")
+        limiter = count_samples(self.limiter, batch_size, call)  # the law's message first
+        return self._counted(buffer, limiter), buffer.sample(key, batch_size, *args, **kwargs)
+
+    def sample_mixed(
+        self: _W,
+        key: PRNGKeyArray,
+        replay_batch_size: int,
+        online_batch_size: int,
+        *args: Any,
+        **kwargs: Any,
+    ) -> tuple[_W, Any]:
+        """A `TrajectoryBuffer`'s `sample_mixed`, counted: `replay_batch_size +
+        online_batch_size` rows. Returns `(limited, sample)`; raises as `sample`."""
+        call = "RateLimited.sample_mixed"
+        buffer = self.buffer
+        if not isinstance(buffer, TrajectoryBuffer):
+            raise TypeError(_not_for(call, buffer, "`sample`"))
+        rows = check_nonnegative_int(replay_batch_size, f"{call}(replay_batch_size=...)")
+        rows += check_nonnegative_int(online_batch_size, f"{call}(online_batch_size=...)")
+        limiter = count_samples(self.limiter, rows, call)
+        out = buffer.sample_mixed(key, replay_batch_size, online_batch_size, *args, **kwargs)
+        return self._counted(buffer, limiter), out
+
+    def sample_transitions(
+        self: _W, key: PRNGKeyArray, batch_size: int, *args: Any, **kwargs: Any
+    ) -> tuple[_W, Any]:
+        """A `TrajectoryBuffer`'s `sample_transitions`, counted: `batch_size` rows (one per
+        transition). Returns `(limited, transitions)`; raises as `sample`."""
+        call = "RateLimited.sample_transitions"
+        buffer = self.buffer
+        if not isinstance(buffer, TrajectoryBuffer):
+            raise TypeError(_not_for(call, buffer, "`sample`"))
+        batch_size = check_positive_int(batch_size, f"{call}(batch_size=...)")
+        limiter = count_samples(self.limiter, batch_size, call)
+        out = buffer.sample_transitions(key, batch_size, *args, **kwargs)
+        return self._counted(buffer, limiter), out
+
+    def pop(self: _W, sequence_length: int) -> tuple[PyTree[Array], _W]:
+        """A `TrajectoryQueue`'s `pop`, counted: `num_envs` rows (one sequence per env).
+        Returns `(items, limited)`, in the queue's order; raises as `sample`."""
+        call = "RateLimited.pop"
+        buffer = self.buffer
+        if not isinstance(buffer, TrajectoryQueue):
+            raise TypeError(_not_for(call, buffer, "`sample`"))
+        limiter = count_samples(self.limiter, buffer.num_envs, call)
+        items, queue = buffer.pop(sequence_length)
+        return items, self._counted(queue, limiter)
+
+    def set_priorities(self: _W, *args: Any, **kwargs: Any) -> _W:
+        """The buffer's `set_priorities`, not counted (a prioritised replay or trajectory
+        buffer, or a `ClusteredReplay` of prioritised replays)."""
+        buffer = self.buffer
+        if not isinstance(
+            buffer, AbstractPrioritisedReplay | ClusteredReplay | PrioritisedTrajectoryBuffer
+        ):
+            raise TypeError(_not_for("RateLimited.set_priorities", buffer, "a prioritised buffer"))
+        return self._counted(buffer.set_priorities(*args, **kwargs), self.limiter)
+
+    def _counted(self: _W, buffer: _Buffer, limiter: RateLimiter) -> _W:
+        return eqx.tree_at(lambda r: (r.buffer, r.limiter), self, (buffer, limiter))
+
+
+def _capacity(buffer: _Buffer) -> tuple[int, str]:
+    """What the buffer holds at most, in the limiter's units."""
+    if isinstance(buffer, AbstractReplay):
+        return buffer.max_size, "items (max_size)"
+    capacity = buffer.num_envs * buffer.max_length
+    return capacity, f"steps (num_envs * max_length = {buffer.num_envs} * {buffer.max_length})"
+
+
+def _leading(items: PyTree[ArrayLike]) -> tuple[int, int]:
+    """The first two axes of the first leaf of a batch the buffer has accepted."""
+    shape = np.shape(jax.tree.leaves(items)[0])
+    return shape[0], (shape[1] if len(shape) > 1 else 1)
+
+
+def _not_for(call: str, buffer: _Buffer, use: str) -> str:
+    return f"`{call}`: a {type(buffer).__name__} has no such method; use {use}."
