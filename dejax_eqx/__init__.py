@@ -26,6 +26,7 @@ from ._prioritised_trajectory import (
 )
 from ._queue import TrajectoryQueue as TrajectoryQueue
 from ._rate_limiter import RateLimited as RateLimited, RateLimiter as RateLimiter
+from ._staleness import AgedSample as AgedSample, PolicyAge as PolicyAge
 from ._storage import CircularBuffer as CircularBuffer
 from ._streams import Streams as Streams
 from ._sum_tree import SumTree as SumTree

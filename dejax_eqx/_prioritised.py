@@ -34,8 +34,16 @@ from ._checks import (
     Prototype,
     renamed,
 )
-from ._priorities import HasPriorities, Priorities
-from ._storage import apply, check_batch, CircularBuffer, gather_slots, write, write_batch
+from ._priorities import check_beta, HasPriorities, Priorities
+from ._staleness import AgedSample, draw_items_by_age, PolicyAge
+from ._storage import (
+    apply,
+    check_batch,
+    CircularBuffer,
+    gather_slots,
+    write,
+    write_batch,
+)
 from ._sum_tree import MAX_CAPACITY
 
 
@@ -335,6 +343,49 @@ class PrioritisedReplay(AbstractPrioritisedReplay, HasPriorities):
         empty = (self.storage.size == 0, f"`{call}`: cannot sample from an empty PrioritisedReplay")
         faults = [empty, *self.priorities.sample_faults(call, "item")]
         return check_faults(self.sample_unchecked(key, batch_size), faults, order_reads=False)
+
+    def sample_by_age(
+        self,
+        key: PRNGKeyArray,
+        batch_size: int,
+        age: PolicyAge,
+        *,
+        beta: Real[ArrayLike, ""] = 1.0,
+    ) -> AgedSample:
+        """Draw `batch_size` stored items, with replacement, among those of policy age at
+        most `age.max_age`, with `P(i) ∝ p_i ** α`, times `1 / (age + 1)` for
+        `age.decay="inverse"` (see `PolicyAge`); i.i.d. or stratified, as `sample`.
+
+        Enumerates the slots: O(max_size) per call, where `sample` is O(batch · log
+        max_size).
+
+        **Arguments:**
+
+        - `key`, `batch_size`: as for `sample`.
+        - `age`: a `PolicyAge`.
+        - `beta`: the importance-weight exponent `β >= 0` (default 1; may be traced).
+
+        **Returns:** an `AgedSample` `(items, indices, ages, probabilities, weights,
+        generations)`: pass `indices` and `generations` to `set_priorities` as those of
+        `sample`. `weights` are `(q_i / P_i) ** β / max` toward the age-weighted target `q`:
+        `importance_weights(probabilities, size, beta)` when nothing is excluded and
+        `decay=None`.
+
+        **Raises:** as `sample`, and an `eqx.error_if` error if a stored version is greater
+        than `age.current` or negative, if every item of positive priority is older than
+        `max_age`, or if `beta` is negative or not finite.
+        """
+        call = "PrioritisedReplay.sample_by_age"
+        batch_size = check_positive_int(batch_size, f"{call}(batch_size=...)")
+        beta, beta_faults = check_beta(beta, call, self.priorities.max_priority.dtype)
+        draw, faults = draw_items_by_age(
+            key, batch_size, age, self.storage, self.priorities, beta=beta, call=call
+        )
+        slots = draw.indices
+        out = AgedSample(gather_slots(self.storage, slots), *draw, self.generations[slots])
+        empty = (self.storage.size == 0, f"`{call}`: cannot sample from an empty PrioritisedReplay")
+        faults = [empty, *self.priorities.sample_faults(call, "item"), *faults, *beta_faults]
+        return check_faults(out, faults, order_reads=False)
 
     def sample_unchecked(self, key: PRNGKeyArray, batch_size: int) -> PrioritisedSample:
         slots, probabilities = self.priorities.draw(key, batch_size)

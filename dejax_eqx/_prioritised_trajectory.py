@@ -19,6 +19,7 @@ from ._checks import (
     check_real_scalar,
     check_vector,
     deprecated_property,
+    Fault,
     Prototype,
 )
 from ._priorities import check_beta, HasPriorities, Priorities, weights
@@ -34,7 +35,16 @@ from ._sequences import (
     step_changes,
     windows_share_leaves,
 )
-from ._streams import Appended, check_append, check_stamps, make_streams, Streams
+from ._staleness import AgedSample, draw_by_age, PolicyAge, read_ages
+from ._streams import (
+    Appended,
+    check_append,
+    check_stamps,
+    make_streams,
+    step_backs,
+    Streams,
+    window_slots,
+)
 from ._sum_tree import MAX_CAPACITY
 from ._trajectory import append_checked, TrajectoryBuffer
 from ._windows import as_whole_window, read_windows, SequenceSample, Window
@@ -239,13 +249,33 @@ class PrioritisedTrajectoryBuffer(AbstractTrajectoryBuffer, HasPriorities):
         total = self.priorities.tree.total
         w = weights(jnp.where(total > 0, probabilities, 1), jnp.maximum(number, 1), beta)
         out = PrioritisedSequenceSample(sample, leaves, probabilities, w)
-        none = (
-            number == 0,
-            f"`{call}`: no window is admissible yet: no env holds {window.size} steps from a "
-            f"start on a multiple of period = {window.period}",
-        )
-        faults = [none, *self.priorities.sample_faults(call, "window"), *beta_faults]
+        faults = [_no_window_fault(self, call), *self.priorities.sample_faults(call, "window")]
+        faults += beta_faults
         return check_faults(out, faults, order_reads=False)
+
+    def sample_by_age(
+        self, key: PRNGKeyArray, batch_size: int, age: PolicyAge, *, beta: Real[ArrayLike, ""] = 1.0
+    ) -> AgedSample:
+        """`sample`, restricted to the windows whose first step has policy age at most
+        `age.max_age`, and weighted `1 / (age + 1)` for `age.decay="inverse"` (see
+        `PolicyAge`): `P ∝ p ** priority_exponent · a(age)`, i.i.d. or stratified.
+        Enumerates the leaves and the stored steps: O(num_envs · max_length) per call, where
+        `sample` is O(batch · log(num_envs · leaves_per_env)).
+
+        **Returns:** an `AgedSample`: its `items` are a `SequenceSample` whose `(env, start)`
+        stamps `set_priorities` takes, its `indices` the leaves. `weights` are `(q_i / P_i) **
+        β / max` toward the age-weighted target `q`: those of `sample` when nothing is
+        excluded and `decay=None`.
+
+        **Raises:** as `sample`; an `eqx.error_if` error for a stored version greater than
+        `age.current` or negative, or if every window of positive priority is older than
+        `max_age`.
+        """
+        call = "PrioritisedTrajectoryBuffer.sample_by_age"
+        batch_size = check_positive_int(batch_size, f"{call}(batch_size=...)")
+        beta, beta_faults = check_beta(beta, call, self.priorities.max_priority.dtype)
+        out, faults = _draw_by_age(self, key, batch_size, age, beta, call)
+        return check_faults(out, [*faults, *beta_faults], order_reads=False)
 
     def set_priorities(
         self: _PT,
@@ -370,6 +400,56 @@ def stamps_of(
     k, w = buffer.leaves_per_env, buffer.window
     env = leaves // k
     return env, latest_start(buffer.step_count[env], leaves % k, w.size, w.period, k)
+
+
+def _draw_by_age(
+    buffer: PrioritisedTrajectoryBuffer,
+    key: PRNGKeyArray,
+    batch_size: int,
+    age: PolicyAge,
+    beta: Float[Array, ""],
+    call: str,
+) -> tuple[AgedSample, list[Fault]]:
+    """`sample_by_age` without its checks, and its faults: the ages of every stored step, and
+    a draw over the leaves, each of its window's first step's age."""
+    w, k = buffer.window, buffer.leaves_per_env
+    back = step_backs(buffer.streams)
+    ages, age_faults = read_ages(
+        age, buffer.data, back <= buffer.streams.lengths[:, None], call, "step"
+    )
+    held = buffer.window_masses()
+    env = jnp.repeat(jnp.arange(buffer.num_envs, dtype=jnp.int32), k)  # leaf // k
+    # Only held windows are drawn: their first steps are stored, `first` in [W, max_length].
+    first = jnp.clip(buffer.step_count[env] - held.start.reshape(-1), 1, buffer.max_length)
+    slot = window_slots(buffer.streams, env, first, 1)[:, 0]
+    law = jnp.where(held.held.reshape(-1), 0.0, -jnp.inf)
+    log_mass = jnp.log(held.mass.reshape(-1))
+    stratified = buffer.stratified
+    draw, more = draw_by_age(
+        key,
+        batch_size,
+        age,
+        ages[env, slot],
+        law,
+        log_mass,
+        beta=beta,
+        stratified=stratified,
+        call=call,
+        what="window",
+    )
+    leaves = draw.indices
+    out = AgedSample(read_windows(buffer.streams, env[leaves], first[leaves], w), *draw)
+    faults = [_no_window_fault(buffer, call), *buffer.priorities.sample_faults(call, "window")]
+    return out, faults + age_faults + more
+
+
+def _no_window_fault(buffer: PrioritisedTrajectoryBuffer, call: str) -> Fault:
+    w = buffer.window
+    return (
+        buffer.num_windows == 0,
+        f"`{call}`: no window is admissible yet: no env holds {w.size} steps from a start on a "
+        f"multiple of period = {w.period}",
+    )
 
 
 def _whole_windows(window: Any, options: dict[str, Any], streams: Streams, call: str) -> Window:

@@ -211,6 +211,33 @@ def env_log_weights(
     return _table(lengths, phase, law, power).log_env
 
 
+def start_log_weights(
+    back: Int[Array, "num_envs n"],
+    lengths: Int[Array, " num_envs"],
+    phase: Int[Array, " num_envs"],
+    law: Law,
+    power: Float32[Array, ""],
+) -> Float32[Array, "num_envs n"]:
+    """The log weight of each start, by enumeration: row `e` of `back` holds back distances
+    of env `e` (any values), and a start weighs `min(b, W) ** power` (1 when strict) if it is
+    admissible (`1 <= b <= lengths[e]`, `b ≡ phase[e] (mod P)`, at least `min_real` real
+    steps, or a whole window when strict), else 0 (log `-inf`). The law `starts_from_bits`
+    draws from, start by start; O(size of `back`).
+
+    **Arguments:** `back`, an int32 array of shape `(num_envs, n)`; the others as in
+    `env_log_weights`.
+
+    **Returns:** a float32 array of the shape of `back`.
+    """
+    size, period = law.size, law.period
+    lengths, phase = lengths[:, None], phase[:, None]
+    real = jnp.minimum(back, size)
+    least = size if law.strict else law.min_real
+    ok = (back >= 1) & (back <= lengths) & ((back - phase) % period == 0) & (real >= least)
+    log_w = power * jnp.log(jnp.maximum(real, 1).astype(jnp.float32))
+    return jnp.where(ok, 0.0 if law.strict else log_w, -jnp.inf).astype(jnp.float32)
+
+
 def starts_from_bits(
     bits: UInt32[Array, "4 batch"],
     lengths: Int[Array, " num_envs"],

@@ -419,6 +419,14 @@ def grow(
     return jnp.where(added, grown, lengths)
 
 
+def step_backs(streams: Streams) -> Int[Array, "num_envs max_length"]:
+    """The back distance of every slot: slot `s` of env `e` holds its env's `b`-th newest step,
+    `b` in `[1, max_length]`, if it is stored (`b <= lengths[e]`)."""
+    m = streams.max_length
+    back = ring_sub(streams.head[:, None], jnp.arange(m, dtype=jnp.int32)[None, :], m)
+    return jnp.where(back == 0, m, back)
+
+
 def window_slots(
     streams: Streams, env: Int[Array, " batch"], back: Int[Array, " batch"], size: int
 ) -> Int[Array, "batch size"]:

@@ -20,8 +20,17 @@ from ._checks import (
     Prototype,
 )
 from ._nstep import as_nstep, draw_transitions, NStep, Transitions
-from ._sequences import admissible, draw_starts, phase
-from ._streams import Appended, check_append, check_stamps, grow, make_streams, Streams
+from ._sequences import admissible, draw_starts, phase, start_log_weights
+from ._staleness import AgedSample, draw_by_age, PolicyAge, read_ages
+from ._streams import (
+    Appended,
+    check_append,
+    check_stamps,
+    grow,
+    make_streams,
+    step_backs,
+    Streams,
+)
 from ._windows import as_window, read_windows, SequenceSample, Window
 
 
@@ -188,6 +197,34 @@ class TrajectoryBuffer(AbstractTrajectoryBuffer):
         faults = [*power_faults, _no_start_fault(self, source, window, call)]
         return check_faults(out, faults, order_reads=False)
 
+    def sample_by_age(
+        self,
+        key: PRNGKeyArray,
+        batch_size: int,
+        age: PolicyAge,
+        window: Window,
+        *,
+        distribution_power: Real[ArrayLike, ""] = 1.0,
+        source: Source = "replay",
+    ) -> AgedSample:
+        """`sample`, restricted to the windows whose first step has policy age at most
+        `age.max_age`, and weighted `1 / (age + 1)` for `age.decay="inverse"` (see
+        `PolicyAge`). The other arguments are `sample`'s. Enumerates every stored step:
+        O(num_envs · max_length) per call, where `sample` is O(num_envs + W + batch_size · W).
+
+        **Returns:** an `AgedSample`; its `items` are a `SequenceSample`, its `weights` are 1.
+
+        **Raises:** as `sample`; an `eqx.error_if` error for a stored version greater than
+        `age.current` or negative, or if every admissible start is older than `max_age`.
+        """
+        call = "TrajectoryBuffer.sample_by_age"
+        batch_size = check_positive_int(batch_size, f"{call}(batch_size=...)")
+        window = self._window(window, {}, call)
+        source = check_choice(source, _SOURCES, f"{call}(source=...)")
+        power = distribution_power
+        out, faults = _draw_by_age(self, key, batch_size, age, window, power, source, call)
+        return check_faults(out, faults, order_reads=False)
+
     def sample_mixed(
         self,
         key: PRNGKeyArray,
@@ -346,6 +383,32 @@ def _power(distribution_power: Real[ArrayLike, ""], call: str) -> tuple[Array, l
         *faults,
         (~jnp.isfinite(power), f"`{call}`: `distribution_power` must be finite"),
     ]
+
+
+def _draw_by_age(
+    buffer: TrajectoryBuffer,
+    key: PRNGKeyArray,
+    batch_size: int,
+    age: PolicyAge,
+    window: Window,
+    distribution_power: Real[ArrayLike, ""],
+    source: Source,
+    call: str,
+) -> tuple[AgedSample, list[Fault]]:
+    """`sample_by_age` after its trace-time checks, and its faults: every slot `s` of env `e`
+    is the start at back distance `b = (head[e] - s) mod max_length` (`max_length` for 0),
+    weighed by the window law and its first step's age."""
+    power, faults = _power(distribution_power, call)
+    faults.append(_no_start_fault(buffer, source, window, call))
+    back = step_backs(buffer.streams)
+    stored = back <= buffer.streams.lengths[:, None]
+    ages, age_faults = read_ages(age, buffer.data, stored, call, "step")
+    starts = phase(buffer.step_count, window.period)
+    law = start_log_weights(back, buffer.lengths(source), starts, window.law, power)
+    draw, more = draw_by_age(key, batch_size, age, ages, law, call=call, what="window start")
+    env = draw.indices // buffer.max_length
+    windows = read_windows(buffer.streams, env, back.reshape(-1)[draw.indices], window)
+    return AgedSample(windows, *draw), faults + age_faults + more
 
 
 def _no_start_fault(buffer: TrajectoryBuffer, source: Source, window: Window, call: str) -> Fault:

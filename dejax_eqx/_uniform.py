@@ -15,7 +15,16 @@ from ._checks import (
     check_positive_int,
     Prototype,
 )
-from ._storage import apply, check_batch, CircularBuffer, gather, write, write_batch
+from ._staleness import AgedSample, draw_items_by_age, PolicyAge
+from ._storage import (
+    apply,
+    check_batch,
+    CircularBuffer,
+    gather,
+    gather_slots,
+    write,
+    write_batch,
+)
 
 
 _U = TypeVar("_U", bound="UniformReplay")
@@ -97,6 +106,35 @@ class UniformReplay(AbstractReplay):
             ],
             order_reads=False,
         )
+
+    def sample_by_age(self, key: PRNGKeyArray, batch_size: int, age: PolicyAge) -> AgedSample:
+        """Draw `batch_size` stored items, with replacement, among those of policy age at
+        most `age.max_age`: uniformly, or with weight `1 / (age + 1)` for
+        `age.decay="inverse"` (see `PolicyAge`).
+
+        Enumerates the slots: O(max_size) per call, where `sample` is O(batch_size).
+
+        **Arguments:**
+
+        - `key`: a JAX PRNG key.
+        - `batch_size`: a positive Python int (static).
+        - `age`: a `PolicyAge`: how to read an item's policy version, the current version,
+            `max_age` and the decay.
+
+        **Returns:** an `AgedSample` `(items, indices, ages, probabilities, weights,
+        generations)`: the items, their slots, ages and probabilities; the weights are 1 and
+        `generations` is `None`.
+
+        **Raises:** `TypeError` at once if `age.version` does not map an item to an integer
+        scalar; an `eqx.error_if` error if the replay is empty, if a stored version is
+        greater than `age.current` or negative, or if every item is older than `max_age`.
+        """
+        call = "UniformReplay.sample_by_age"
+        batch_size = check_positive_int(batch_size, f"{call}(batch_size=...)")
+        draw, faults = draw_items_by_age(key, batch_size, age, self.storage, call=call)
+        out = AgedSample(gather_slots(self.storage, draw.indices), *draw)
+        empty = (self.storage.size == 0, f"`{call}`: cannot sample from an empty UniformReplay")
+        return check_faults(out, [empty, *faults], order_reads=False)
 
     def sample_unchecked(
         self, key: PRNGKeyArray, batch_size: int

@@ -503,3 +503,33 @@ class RefPrioritisedTrajectory:
         if total == 0:
             raise AllZeroError
         return {w: self.mass(w) / total for w in self.priorities}
+
+
+# Policy age (`sample_by_age`): a candidate's age is the current policy version minus the
+# version stored with it (with its window's first step).
+
+
+def age_weight(age: int, decay) -> float:
+    """The weight of an admitted age: 1, or `1 / (age + 1)` for `decay="inverse"`."""
+    return 1.0 if decay is None else 1.0 / (age + 1)
+
+
+def ref_aged(weights: dict, ages: dict, max_age: int, decay) -> dict:
+    """`{candidate: probability}` of one draw: `weights[c] · age_weight(ages[c])`, normalised
+    over the candidates of positive weight and age in `[0, max_age]`."""
+    aged = {
+        c: w * age_weight(ages[c], decay)
+        for c, w in weights.items()
+        if w > 0 and 0 <= ages[c] <= max_age
+    }
+    total = sum(aged.values())
+    if total == 0:
+        raise EmptyBufferError
+    return {c: w / total for c, w in aged.items()}
+
+
+def ref_aged_weights(target: dict, probabilities: dict, drawn: list, beta: float) -> np.ndarray:
+    """The importance weights of the `drawn` candidates, literally: `(q / P) ** beta` over the
+    batch's largest, `q` the target and `P` the sampling probabilities, in float64."""
+    w = np.array([(target[c] / probabilities[c]) ** beta for c in drawn])
+    return w / w.max()
