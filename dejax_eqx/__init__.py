@@ -26,6 +26,12 @@ from ._prioritised_trajectory import (
 )
 from ._queue import TrajectoryQueue as TrajectoryQueue
 from ._rate_limiter import RateLimited as RateLimited, RateLimiter as RateLimiter
+from ._service import (
+    RateLimitTimeout as RateLimitTimeout,
+    ReplayService as ReplayService,
+    ServiceClosed as ServiceClosed,
+    WaitCannotEnd as WaitCannotEnd,
+)
 from ._staleness import AgedSample as AgedSample, PolicyAge as PolicyAge
 from ._storage import CircularBuffer as CircularBuffer
 from ._streams import Streams as Streams
