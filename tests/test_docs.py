@@ -325,6 +325,19 @@ def _exercise_every_fault_site() -> None:
         streams.stale(slots, slots)
         steps = jax.tree.map(lambda x: jnp.zeros((2, 4, *x.shape), x.dtype), item)
         streams.restore(steps, jnp.array([4, 2], jnp.int32), jnp.array([4, 2], jnp.int32))
+        # Policy age: `current` and `max_age` as arrays, whose range is checked at run time.
+        age = dx.PolicyAge(lambda x: x["done"].astype(jnp.int32), jnp.asarray(3), jnp.asarray(2))
+        uniform.add_batch(batch).sample_by_age(key, 2, age)
+        prioritised.sample_by_age(key, 2, age)
+        trajectories.sample_by_age(key, 2, age, dx.Window(2))
+        windows.sample_by_age(key, 2, age)
+        # Rate limiting: a traced amount is checked at run time.
+        limited = dx.RateLimited(uniform, dx.RateLimiter.sample_to_insert_ratio(1, 1, 4))
+        n = jnp.asarray(1, jnp.int32)
+        limited.limiter.can_insert(n)
+        limited.limiter.can_sample(n)
+        limited = limited.add(item).add_batch(batch, mask=jnp.array([True, False]))
+        limited.sample(key, 1)
 
     def flashbax_layer(key):
         rollout = jax.tree.map(lambda x: jnp.stack([x, x])[:, None], item)  # [2 rows, 1 step]

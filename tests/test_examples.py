@@ -156,3 +156,18 @@ def test_r2d2_envpool_smoke(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     for variant in ("no buffer call", "jax.jit add", "eqx.filter_jit add", "raw scatter"):
         assert variant in result.stdout
+
+
+def test_sebulba_cartpole_smoke(tmp_path):
+    # Actor threads, a learner thread and the main thread's evaluations through a
+    # `ReplayService`: it runs to its step cap, shuts every thread down and draws the figure.
+    _require("envpool", "optax", "matplotlib")
+    script = str(ROOT / "examples" / "sebulba_cartpole.py")
+    result = _run([script, "--smoke", "--seed", "3"], tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "step cap reached" in result.stdout
+    assert "smoke run: no learning threshold" in result.stdout
+    # The learner sampled (the counts are reported) and the target ratio was stated.
+    (counts,) = [line for line in result.stdout.splitlines() if "rows sampled" in line]
+    assert "target 16" in counts and " 0 rows sampled" not in counts
+    assert (tmp_path / "sebulba_cartpole.png").read_bytes().startswith(b"\x89PNG")
