@@ -41,6 +41,7 @@ f32[128], "action": i32[], "reward": f32[], "done": bool[]}` unless a workload s
 """
 
 import argparse
+import concurrent.futures
 import json
 import os
 import sys
@@ -270,6 +271,23 @@ def plan(quick: bool) -> list[tuple[str, str, int, int, int]]:
     ]
 
 
+def _record(
+    results: list[dict], workload: str, system: str, size: int, steps: int, r: dict, seconds: float
+) -> None:
+    """Append the row(s) of one measurement to `results` and print them (it took `seconds`)."""
+    also = r.pop("also", None)
+    row = {"workload": workload, "system": system, "size": size, "steps": steps}
+    row |= {"error": r["error"]} if "error" in r else {**h.summary(r["values"]), **r}
+    results.append(row)
+    shown = row.get("error") or f"{row['median']:.4g} {row['unit']}"
+    print(f"  {workload} {system} {size:,}: {shown} ({seconds:.0f} s)", flush=True)
+    if also:  # a second system timed in the same process
+        other = {"workload": workload, "size": size, "steps": steps, **also}
+        results.append(other | h.summary(also["values"]))
+        shown = f"{results[-1]['median']:.4g} {also['unit']}"
+        print(f"  {workload} {also['system']} {size:,}: {shown} (the same process)")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Replay-buffer benchmarks (see module doc).")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, 1 repeat")
@@ -291,20 +309,12 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{len(runs)} measurements; {machine}", flush=True)
     results = []
     start = time.perf_counter()
-    for workload, system, size, steps, repeats in runs:
-        t = time.perf_counter()
-        r = h.run_one(workload, system, size, steps, repeats)
-        also = r.pop("also", None)
-        row = {"workload": workload, "system": system, "size": size, "steps": steps}
-        row |= {"error": r["error"]} if "error" in r else {**h.summary(r["values"]), **r}
-        results.append(row)
-        shown = row.get("error") or f"{row['median']:.4g} {row['unit']}"
-        print(f"  {workload} {system} {size:,}: {shown} ({time.perf_counter() - t:.0f} s)")
-        if also:  # a second system timed in the same process
-            other = {"workload": workload, "size": size, "steps": steps, **also}
-            results.append(other | h.summary(also["values"]))
-            shown = f"{results[-1]['median']:.4g} {also['unit']}"
-            print(f"  {workload} {also['system']} {size:,}: {shown} (the same process)")
+    # The quick plan is a smoke test: its timings mean nothing, so its worker processes run
+    # two at a time (CI's two cores), in order. A measurement always runs alone.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2 if args.quick else 1) as pool:
+        ran = pool.map(lambda p: (p, time.perf_counter(), h.run_one(*p), time.perf_counter()), runs)
+        for (workload, system, size, steps, _), began, r, ended in ran:
+            _record(results, workload, system, size, steps, r, ended - began)
     machine["load_after"] = h.load_average()
     machine["seconds"] = round(time.perf_counter() - start)
     table = h.write_results(args.out, machine, args.quick, results)
