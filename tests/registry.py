@@ -113,6 +113,20 @@ def _query(fn, args) -> Method:
     return Method(lambda b, a: (None, fn(b, a)), args, False)
 
 
+def policy_version(item):
+    """A policy version in [0, 7] read from any registry item (its `act` leaf): a module-level
+    function, so that `dx.PolicyAge` traces once."""
+    return item["act"].astype(jnp.int32) & 7
+
+
+def _age(current):
+    return dx.PolicyAge(policy_version, current, decay="inverse")
+
+
+def _key_and_version(seed: int):
+    return _key(seed), np.int32(7)
+
+
 # ---------------------------------------------------------------------------------------------
 # CircularBuffer
 
@@ -160,6 +174,13 @@ def _replay_methods() -> dict[str, Method]:
 
 _replay_fill = _new(lambda b, a: (b.add_batch(a), None), _items)
 
+_UNIFORM = {
+    **_replay_methods(),
+    "sample_by_age": _query(
+        lambda b, a: b.sample_by_age(a[0], BATCH, _age(a[1])), _key_and_version
+    ),
+}
+
 _PRIORITISED = {
     **_replay_methods(),
     "add(priority)": _new(
@@ -186,6 +207,9 @@ _PRIORITISED = {
     "stale": _query(lambda b, a: b.stale(a[0], a[1]), lambda s: (_indices(s), _generations(s))),
     "max_priority": _query(lambda b, a: b.max_priority, _none),
     "tree": _query(lambda b, a: b.tree, _none),
+    "sample_by_age": _query(
+        lambda b, a: b.sample_by_age(a[0], BATCH, _age(a[1]), beta=0.5), _key_and_version
+    ),
     # The free function that goes with a prioritised sample.
     "importance_weights": _query(
         lambda b, a: dx.importance_weights(b.sample(a, BATCH).probabilities, b.size, 0.4),
@@ -374,6 +398,9 @@ _TRAJECTORY = {
         lambda b, a: b.sample_transitions(a[0], BATCH, _NSTEP, discount=a[1]),
         lambda s: (_key(s), np.float32(0.9)),
     ),
+    "sample_by_age": _query(
+        lambda b, a: b.sample_by_age(a[0], BATCH, _age(a[1]), _SEQUENCE), _key_and_version
+    ),
     # The windows from each env's newest step (older ones may be stale after a few steps).
     "read": _query(
         lambda b, a: b.read(a, b.step_count[a] - 1, _WINDOWS),
@@ -422,6 +449,9 @@ _PRIORITISED_TRAJECTORY = {
     ),
     "tree": _query(lambda b, a: b.tree, _none),
     "max_priority": _query(lambda b, a: b.max_priority, _none),
+    "sample_by_age": _query(
+        lambda b, a: b.sample_by_age(a[0], BATCH, _age(a[1]), beta=0.5), _key_and_version
+    ),
 }
 
 
@@ -587,7 +617,7 @@ BUFFER_TYPES = [
         dx.UniformReplay,
         dx.UniformReplay,
         _replay_fill,
-        _replay_methods(),
+        _UNIFORM,
         {"max_size": _STATIC, "item_spec": _STATIC},
         _uniform_step,
     ),
