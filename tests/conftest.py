@@ -1,7 +1,10 @@
+import atexit
 import ctypes
 import ctypes.util
 import mmap
 import os
+import shutil
+import tempfile
 
 import jax
 import pytest
@@ -35,6 +38,17 @@ os.environ["XLA_FLAGS"] = _flags.strip()
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+# One compilation cache on disk for every process of a test run (the xdist workers and the
+# subprocesses they start inherit the directory through the environment): a program is
+# compiled once per run, not again in the other worker, nor after the memory releases below
+# drop the in-memory caches.
+if "DEJAX_EQX_TEST_COMPILATION_CACHE" not in os.environ:
+    os.environ["DEJAX_EQX_TEST_COMPILATION_CACHE"] = tempfile.mkdtemp(prefix="dejax_eqx_jit_")
+    atexit.register(shutil.rmtree, os.environ["DEJAX_EQX_TEST_COMPILATION_CACHE"], True)
+jax.config.update("jax_compilation_cache_dir", os.environ["DEJAX_EQX_TEST_COMPILATION_CACHE"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 # Compilation makes the first run of each example slow: no deadlines. Shapes are drawn from small
 # fixed sets (tests/helpers.py) so compiled functions are reused across examples.
