@@ -33,6 +33,7 @@ import time
 _START = time.perf_counter()  # wall time is reported from here: imports and compilation included
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 import threading
@@ -180,6 +181,7 @@ def actor(
     index: int,
     seed: int,
     service: dx.ReplayService,
+    membership: contextlib.AbstractContextManager,
     policy: Policy,
     env_steps: list[int],
     stop: threading.Event,
@@ -193,7 +195,7 @@ def actor(
     # and its "transition" joins two episodes): those rows are masked out of the insert.
     ended = np.zeros(n, bool)
     try:
-        with service.actor():
+        with membership:  # counted in before any actor started: see `ReplayService`
             while not stop.is_set():
                 net, version = policy.current
                 done_so_far = sum(env_steps)
@@ -373,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     threads = [
         threading.Thread(
             target=actor,
-            args=(cfg, i, args.seed, service, policy, env_steps, stop, errors),
+            args=(cfg, i, args.seed, service, service.actor(), policy, env_steps, stop, errors),
             name=f"actor-{i}",
         )
         for i in range(cfg.num_actors)
