@@ -35,13 +35,12 @@ from ._sequences import (
     step_changes,
     windows_share_leaves,
 )
-from ._staleness import AgedSample, draw_by_age, PolicyAge, read_ages
+from ._staleness import AgedSample, draw_by_age, PolicyAge, read_step_ages
 from ._streams import (
     Appended,
     check_append,
     check_stamps,
     make_streams,
-    step_backs,
     Streams,
     window_slots,
 )
@@ -413,10 +412,7 @@ def _draw_by_age(
     """`sample_by_age` without its checks, and its faults: the ages of every stored step, and
     a draw over the leaves, each of its window's first step's age."""
     w, k = buffer.window, buffer.leaves_per_env
-    back = step_backs(buffer.streams)
-    ages, age_faults = read_ages(
-        age, buffer.data, back <= buffer.streams.lengths[:, None], call, "step"
-    )
+    _, ages, age_faults = read_step_ages(age, buffer.streams, call)
     held = buffer.window_masses()
     env = jnp.repeat(jnp.arange(buffer.num_envs, dtype=jnp.int32), k)  # leaf // k
     # Only held windows are drawn: their first steps are stored, `first` in [W, max_length].

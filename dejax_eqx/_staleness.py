@@ -28,6 +28,7 @@ from ._checks import (
 )
 from ._priorities import Priorities
 from ._storage import CircularBuffer, stored_mask
+from ._streams import step_backs, Streams
 
 
 Decay = Literal["inverse"]
@@ -219,6 +220,17 @@ def read_ages(
         "every stored version must be in [0, current]"
     )
     return age.current - version, [(future, message)]
+
+
+def read_step_ages(
+    age: PolicyAge, streams: Streams, call: str
+) -> tuple[Int[Array, "num_envs max_length"], Int[Array, "num_envs max_length"], list[Fault]]:
+    """`read_ages` over every stored step of `streams`: the back distance of each slot
+    (`step_backs`), the age of the step it holds, and the fault of a stored version outside
+    `[0, current]`."""
+    back = step_backs(streams)
+    ages, faults = read_ages(age, streams.data, back <= streams.lengths[:, None], call, "step")
+    return back, ages, faults
 
 
 def draw_items_by_age(

@@ -21,16 +21,8 @@ from ._checks import (
 )
 from ._nstep import as_nstep, draw_transitions, NStep, Transitions
 from ._sequences import admissible, draw_starts, phase, start_log_weights
-from ._staleness import AgedSample, draw_by_age, PolicyAge, read_ages
-from ._streams import (
-    Appended,
-    check_append,
-    check_stamps,
-    grow,
-    make_streams,
-    step_backs,
-    Streams,
-)
+from ._staleness import AgedSample, draw_by_age, PolicyAge, read_step_ages
+from ._streams import Appended, check_append, check_stamps, grow, make_streams, Streams
 from ._windows import as_window, read_windows, SequenceSample, Window
 
 
@@ -400,9 +392,7 @@ def _draw_by_age(
     weighed by the window law and its first step's age."""
     power, faults = _power(distribution_power, call)
     faults.append(_no_start_fault(buffer, source, window, call))
-    back = step_backs(buffer.streams)
-    stored = back <= buffer.streams.lengths[:, None]
-    ages, age_faults = read_ages(age, buffer.data, stored, call, "step")
+    back, ages, age_faults = read_step_ages(age, buffer.streams, call)
     starts = phase(buffer.step_count, window.period)
     law = start_log_weights(back, buffer.lengths(source), starts, window.law, power)
     draw, more = draw_by_age(key, batch_size, age, ages, law, call=call, what="window start")

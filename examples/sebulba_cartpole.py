@@ -136,8 +136,8 @@ def make_update(cfg: Config, optimiser: optax.GradientTransformation):
 
     # Not donated: the actors may still hold the parameters the learner published last.
     @eqx.filter_jit
-    def update(learner: Learner, batch) -> tuple[Learner, Array]:
-        loss, grads = eqx.filter_value_and_grad(loss_fn)(learner.net, learner.target, batch)
+    def update(learner: Learner, batch) -> Learner:
+        grads = eqx.filter_grad(loss_fn)(learner.net, learner.target, batch)
         params = eqx.filter(learner.net, eqx.is_array)
         updates, opt_state = optimiser.update(grads, learner.opt_state, params)
         net = eqx.apply_updates(learner.net, updates)
@@ -146,7 +146,7 @@ def make_update(cfg: Config, optimiser: optax.GradientTransformation):
             learner.target,
             net,
         )
-        return Learner(net, target, opt_state), loss
+        return Learner(net, target, opt_state)
 
     return update
 
@@ -173,7 +173,6 @@ class Trace:
     env_steps: list[int] = dataclasses.field(default_factory=list)
     age_mean: list[float] = dataclasses.field(default_factory=list)
     age_max: list[int] = dataclasses.field(default_factory=list)
-    losses: list[float] = dataclasses.field(default_factory=list)
 
 
 def actor(
@@ -251,7 +250,7 @@ def learner_loop(
                     method="sample_by_age",
                     timeout=cfg.wait_timeout,
                 )
-                learner, loss = update(learner, sample.items)
+                learner = update(learner, sample.items)
                 version += 1
                 policy.current = (learner.net, version)
                 if version % trace.every == 0:
@@ -259,7 +258,6 @@ def learner_loop(
                     trace.env_steps.append(sum(env_steps))
                     trace.age_mean.append(float(ages.mean()))
                     trace.age_max.append(int(ages.max()))
-                    trace.losses.append(float(loss))
     except dx.ServiceClosed:
         pass
     except BaseException as e:
