@@ -15,6 +15,7 @@ from ._checks import (
     check_index,
     check_index_fn,
     check_items,
+    check_mask,
     check_positive_int,
     check_vector,
     INT32_MAX,
@@ -198,18 +199,7 @@ class ClusteredReplay(AbstractReplay):
 
     def sample_unchecked(self, key: PRNGKeyArray, batch_size: int) -> Any:
         keys = jax.random.split(key, self.num_clusters + 1)
-        sizes = self.cluster_sizes
-        # Weights in log space: `size ** power` can overflow float32 for large powers, and an
-        # empty cluster must get weight exactly zero for every power (`0.0 ** 0.0 == 1`).
-        log_size = jnp.log(jnp.maximum(sizes, 1).astype(jnp.float32))
-        logits = jnp.where(sizes > 0, self.distribution_power * log_size, -jnp.inf)
-        cdf = jnp.cumsum(jnp.exp(logits - jnp.max(logits)))
-        # Inverse-CDF draw: row j takes the first cluster whose cumulative weight exceeds
-        # u_j * total. An empty cluster adds nothing to the cdf, so it is never the first to
-        # exceed. The clip guards the rounding of u_j * total up to total (and an empty replay).
-        u = jax.random.uniform(keys[0], (batch_size,), jnp.float32)
-        chosen = jnp.searchsorted(cdf, u * cdf[-1], side="right", method="compare_all")
-        chosen = jnp.minimum(chosen, jnp.argmax(cdf)).astype(jnp.int32)
+        chosen = choose_clusters(keys[0], self.cluster_sizes, self.distribution_power, batch_size)
         # Every cluster draws a full batch (empty ones too: the draw is unchecked), and row j
         # is kept from the cluster chosen for it. Generic over whatever the inner replay
         # returns, and rows stay independent because each cluster's rows are.
@@ -225,6 +215,7 @@ class ClusteredReplay(AbstractReplay):
         indices: Integer[ArrayLike, " n"],
         priorities: Real[ArrayLike, " n"],
         *,
+        mask: Bool[ArrayLike, " n"] | None = None,
         generations: UInt32[ArrayLike, " n"] | None = None,
         stamps: UInt32[ArrayLike, " n"] | None = None,
     ) -> _C:
@@ -241,6 +232,8 @@ class ClusteredReplay(AbstractReplay):
         - `cluster_ids`: integer array of shape `(n,)`, ids in `[0, num_clusters)`.
         - `indices`: integer array of shape `(n,)`, stored slots of those clusters.
         - `priorities`: array of shape `(n,)`, finite and non-negative.
+        - `mask`: optional boolean array of shape `(n,)`: only the entries where it is `True`
+            are set (and checked); the others may hold anything.
         - `generations`: optional uint32 array of shape `(n,)`, the sample's `generations`:
             an entry whose slot has been written since is ignored (see
             `PrioritisedReplay.set_priorities`).
@@ -276,12 +269,13 @@ class ClusteredReplay(AbstractReplay):
         priorities = check_vector(priorities, n, call, "priorities")
         if generations is not None:
             generations = check_generations(generations, n, call)
+        valid = jnp.ones(n, jnp.bool_) if mask is None else check_mask(mask, n, call)
         # The guard sits on the ids, which every cluster's update reads.
         ids = check_faults(
             ids,
             [
                 (
-                    bad,
+                    bad & valid,
                     f"`{call}`: a cluster id is outside [0, num_clusters) = "
                     f"[0, {self.num_clusters})",
                 )
@@ -291,7 +285,7 @@ class ClusteredReplay(AbstractReplay):
 
         def set_in(cluster: AbstractPrioritisedReplay, c: Int[Array, ""]):
             return cluster.set_priorities(
-                indices, priorities, mask=ids == c, generations=generations
+                indices, priorities, mask=valid & (ids == c), generations=generations
             )
 
         clusters = eqx.filter_vmap(set_in)(clusters, jnp.arange(self.num_clusters, dtype=jnp.int32))
@@ -328,3 +322,21 @@ class ClusteredReplay(AbstractReplay):
             self.clusters, jnp.arange(self.num_clusters, dtype=jnp.int32)
         )
         return eqx.tree_at(lambda r: r.clusters, self, clusters)
+
+
+def choose_clusters(
+    key: PRNGKeyArray, sizes: Int[Array, " num_clusters"], power: float, batch_size: int
+) -> Int[Array, " batch"]:
+    """`batch_size` clusters drawn with probability `∝ size ** power` among the non-empty
+    ones (meaningless, in range, when every cluster is empty)."""
+    # Weights in log space: `size ** power` can overflow float32 for large powers, and an
+    # empty cluster must get weight exactly zero for every power (`0.0 ** 0.0 == 1`).
+    log_size = jnp.log(jnp.maximum(sizes, 1).astype(jnp.float32))
+    logits = jnp.where(sizes > 0, power * log_size, -jnp.inf)
+    cdf = jnp.cumsum(jnp.exp(logits - jnp.max(logits)))
+    # Inverse-CDF draw: row j takes the first cluster whose cumulative weight exceeds
+    # u_j * total. An empty cluster adds nothing to the cdf, so it is never the first to
+    # exceed. The clip guards the rounding of u_j * total up to total (and an empty replay).
+    u = jax.random.uniform(key, (batch_size,), jnp.float32)
+    chosen = jnp.searchsorted(cdf, u * cdf[-1], side="right", method="compare_all")
+    return jnp.minimum(chosen, jnp.argmax(cdf)).astype(jnp.int32)

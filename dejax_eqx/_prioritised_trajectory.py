@@ -15,6 +15,7 @@ from ._checks import (
     as_float,
     check_faults,
     check_index,
+    check_mask,
     check_positive_int,
     check_real_scalar,
     check_vector,
@@ -281,9 +282,14 @@ class PrioritisedTrajectoryBuffer(AbstractTrajectoryBuffer, HasPriorities):
         env_ids: Integer[ArrayLike, " n"],
         starts: Integer[ArrayLike, " n"],
         priorities: Real[ArrayLike, " n"],
+        *,
+        mask: Bool[ArrayLike, " n"] | None = None,
     ) -> _PT:
         """Set the priorities of the windows named by the stamps `(env_ids, starts)`, as
         `sample` returned them (`sample.env`, `sample.start`).
+
+        `mask`, an optional boolean array of shape `(n,)`: only the entries where it is
+        `True` are set (and checked); the others may hold anything.
 
         An entry whose window is stale (has left since it was sampled) is dropped: its leaf
         now belongs to a newer window (or to none). `stale` tells which. Of repeated stamps
@@ -304,10 +310,16 @@ class PrioritisedTrajectoryBuffer(AbstractTrajectoryBuffer, HasPriorities):
             f"`{call}`: a stamp this buffer cannot have given: its start is not on a multiple "
             f"of period = {period}, or its window of {size} steps has not been stored yet",
         )
-        masses, top, faults = self.priorities.prepare(priorities, n, call)
+        valid = None if mask is None else check_mask(mask, n, call)
+        masses, top, faults = self.priorities.prepare(priorities, n, call, mask=valid)
         leaves = leaf_of(stamps.env, stamps.start, period, k)
-        leaves, masses, top = check_faults((leaves, masses, top), [*stamps.faults, misfit, *faults])
+        faults = [*stamps.faults, misfit, *faults]
+        if valid is not None:
+            faults = [(jnp.asarray(pred) & valid, message) for pred, message in faults]
+        leaves, masses, top = check_faults((leaves, masses, top), faults)
         keep = ~stamps.stale & ~stamps.bad
+        if valid is not None:
+            keep = keep & valid
         new = self.priorities.write(leaves, masses, top, mask=keep)
         return eqx.tree_at(lambda b: b.priorities, self, new)
 

@@ -29,7 +29,7 @@ from ._windows import as_window, read_windows, SequenceSample, Window
 _TB = TypeVar("_TB", bound="TrajectoryBuffer")
 
 Source = Literal["replay", "online"]
-_SOURCES: tuple[Source, ...] = ("replay", "online")
+SOURCES: tuple[Source, ...] = ("replay", "online")
 _EMPTY: dict[Source, str] = {
     "replay": "cannot sample from an empty TrajectoryBuffer: no env has any stored step",
     "online": (
@@ -118,7 +118,7 @@ class TrajectoryBuffer(AbstractTrajectoryBuffer):
         """The number of steps in each env's window: `"replay"` (every stored step, the
         default) or `"online"` (the steps added since the last `reset_online_queue()`). An
         int32 array of shape `(num_envs,)` with values in `[0, max_length]`."""
-        source = check_choice(source, _SOURCES, "TrajectoryBuffer.lengths(source=...)")
+        source = check_choice(source, SOURCES, "TrajectoryBuffer.lengths(source=...)")
         return self.streams.lengths if source == "replay" else self.online_length
 
     def add(
@@ -183,8 +183,8 @@ class TrajectoryBuffer(AbstractTrajectoryBuffer):
         call = "TrajectoryBuffer.sample"
         batch_size = check_positive_int(batch_size, f"{call}(batch_size=...)")
         window = self._window(window, options, call)
-        source = check_choice(source, _SOURCES, f"{call}(source=...)")
-        power, power_faults = _power(distribution_power, call)
+        source = check_choice(source, SOURCES, f"{call}(source=...)")
+        power, power_faults = check_power(distribution_power, call)
         out = self._draw(key, source, batch_size, window, power)
         faults = [*power_faults, _no_start_fault(self, source, window, call)]
         return check_faults(out, faults, order_reads=False)
@@ -212,7 +212,7 @@ class TrajectoryBuffer(AbstractTrajectoryBuffer):
         call = "TrajectoryBuffer.sample_by_age"
         batch_size = check_positive_int(batch_size, f"{call}(batch_size=...)")
         window = self._window(window, {}, call)
-        source = check_choice(source, _SOURCES, f"{call}(source=...)")
+        source = check_choice(source, SOURCES, f"{call}(source=...)")
         power = distribution_power
         out, faults = _draw_by_age(self, key, batch_size, age, window, power, source, call)
         return check_faults(out, faults, order_reads=False)
@@ -245,9 +245,9 @@ class TrajectoryBuffer(AbstractTrajectoryBuffer):
                 "at least one sequence."
             )
         window = self._window(window, options, call)
-        power, power_faults = _power(distribution_power, call)
-        keys: dict[Source, Array] = dict(zip(_SOURCES, jax.random.split(key)))
-        drawn: list[Source] = [s for s in _SOURCES if sizes[s] > 0]
+        power, power_faults = check_power(distribution_power, call)
+        keys: dict[Source, Array] = dict(zip(SOURCES, jax.random.split(key)))
+        drawn: list[Source] = [s for s in SOURCES if sizes[s] > 0]
         parts = [self._draw(keys[s], s, sizes[s], window, power) for s in drawn]
         out = jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
         faults = [*power_faults] + [_no_start_fault(self, s, window, call) for s in drawn]
@@ -288,7 +288,7 @@ class TrajectoryBuffer(AbstractTrajectoryBuffer):
         batch_size = check_positive_int(batch_size, f"{call}(batch_size=...)")
         nstep = as_nstep(nstep, options, call)
         nstep.check(self.item_spec, self.max_length, call)
-        source = check_choice(source, _SOURCES, f"{call}(source=...)")
+        source = check_choice(source, SOURCES, f"{call}(source=...)")
         discount = check_real_scalar(discount, call, "discount")
         gamma, faults = as_float(discount, jnp.float32, call, "discount")
         lengths = self.lengths(source)
@@ -368,7 +368,8 @@ class TrajectoryBuffer(AbstractTrajectoryBuffer):
         return read_windows(self.streams, env, back, window)
 
 
-def _power(distribution_power: Real[ArrayLike, ""], call: str) -> tuple[Array, list[Fault]]:
+def check_power(distribution_power: Real[ArrayLike, ""], call: str) -> tuple[Array, list[Fault]]:
+    """`distribution_power` as a float32 scalar, and the fault of a value that is not finite."""
     power = check_real_scalar(distribution_power, call, "distribution_power")
     power, faults = as_float(power, jnp.float32, call, "distribution_power")
     return power, [
@@ -390,7 +391,7 @@ def _draw_by_age(
     """`sample_by_age` after its trace-time checks, and its faults: every slot `s` of env `e`
     is the start at back distance `b = (head[e] - s) mod max_length` (`max_length` for 0),
     weighed by the window law and its first step's age."""
-    power, faults = _power(distribution_power, call)
+    power, faults = check_power(distribution_power, call)
     faults.append(_no_start_fault(buffer, source, window, call))
     back, ages, age_faults = read_step_ages(age, buffer.streams, call)
     starts = phase(buffer.step_count, window.period)
@@ -402,10 +403,21 @@ def _draw_by_age(
 
 
 def _no_start_fault(buffer: TrajectoryBuffer, source: Source, window: Window, call: str) -> Fault:
-    lengths = buffer.lengths(source)
+    return no_start_fault(buffer.lengths(source), buffer.step_count, source, window, call)
+
+
+def no_start_fault(
+    lengths: Int[Array, " num_envs"],
+    step_count: Int[Array, " num_envs"],
+    source: Source,
+    window: Window,
+    call: str,
+) -> Fault:
+    """The fault of a draw from envs of these window `lengths` (of `source`) and step counts
+    when none has an admissible start for `window`."""
     if window.law == Window(window.size).law:  # every stored step may start a window
         return jnp.all(lengths == 0), f"`{call}`: {_EMPTY[source]}"
-    ok = admissible(lengths, phase(buffer.step_count, window.period), window.law)
+    ok = admissible(lengths, phase(step_count, window.period), window.law)
     return (
         ~jnp.any(ok),
         f"`{call}`: no env's {source} window has an admissible start; a start needs "

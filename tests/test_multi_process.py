@@ -1,0 +1,87 @@
+"""`dx.GlobalBuffer` across real processes: `multi_process.py`'s checks, run in 2 processes of
+2 CPU devices each on 127.0.0.1 (the real `jax.distributed` runtime, CPU collectives over
+gloo), and orbax checkpoints saved by 2 processes restored by 1 process of 4 devices, and the
+other way round.
+
+Three launches: 2 processes run every check and save; 1 process restores that and saves; 2
+processes restore that. Every launch is bounded in time: a check that fails in one process
+can leave the other waiting in a collective.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+from .multi_process import CHECKS
+
+
+ROOT = Path(__file__).parent.parent
+TIMEOUT_S = 240  # per launch; a launch takes about 20 s on 2 idle cores
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(jax, "shard_map"), reason="dx.GlobalBuffer needs JAX 0.7+ (jax.shard_map)"
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(out: Path, processes: int, devices: int, checks: list[str]) -> dict[int, str]:
+    """Run `checks` in `processes` processes; returns each process's output."""
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    command = [sys.executable, "-m", "tests.multi_process", "--processes", str(processes)]
+    command += ["--devices", str(devices), "--port", str(port), "--out", str(out)]
+    command += ["--checks", ",".join(checks)]
+    logs = {i: out / f"launch-{processes}p-{i}.log" for i in range(processes)}
+    running = [
+        subprocess.Popen(
+            [*command, "--id", str(i)],
+            cwd=ROOT,
+            env=env,
+            stdout=logs[i].open("w"),
+            stderr=subprocess.STDOUT,
+        )
+        for i in range(processes)
+    ]
+    try:
+        for process in running:
+            process.wait(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for process in running:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    return {i: logs[i].read_text() + f"\n[exit {running[i].returncode}]" for i in logs}
+
+
+RUN_CHECKS = [name for name in CHECKS if name not in ("save", "restore")]
+
+
+# One test, not several sharing a fixture: under `pytest -n 2` they could land on both workers,
+# and each would launch the processes.
+def test_global_buffers_across_processes_and_checkpoints_across_topologies(tmp_path):
+    two = _launch(tmp_path, 2, 2, [*RUN_CHECKS, "save"])
+    _passed(two, [*RUN_CHECKS, "save"])
+    one = _launch(tmp_path, 1, 4, ["restore", "save"])  # restores what 2 processes saved
+    _passed(one, ["restore", "save"])
+    again = _launch(tmp_path, 2, 2, ["restore"])  # restores what 1 process saved
+    _passed(again, ["restore"])
+
+
+def _passed(logs: dict[int, str], names: list[str]) -> None:
+    for i, log in logs.items():
+        for name in names:
+            if f"process {i}: {name} passed" not in log:
+                pytest.fail(f"{name!r} did not pass in process {i} of {len(logs)}:\n{log[-6000:]}")
