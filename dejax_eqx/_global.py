@@ -15,7 +15,9 @@ The laws, and what crosses devices for each, are in `docs/multi-process.md`.
 """
 
 import functools
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Generic, NamedTuple, TypeVar
 
 import equinox as eqx
@@ -37,6 +39,7 @@ from ._checks import (
     plural,
 )
 from ._clustered import choose_clusters, ClusteredReplay
+from ._dataset import Dataset
 from ._priorities import check_beta, weights
 from ._prioritised import PrioritisedReplay, PrioritisedSample
 from ._prioritised_trajectory import (
@@ -338,6 +341,75 @@ class GlobalBuffer(eqx.Module, Generic[_B]):
             return np.concatenate([blocks[k] for k in sorted(blocks)])
 
         return jax.tree.map(local, self.shards)
+
+    # ------------------------------------------------------------------ datasets
+
+    def write_datasets(
+        self, root: str | os.PathLike, *, chunk_length: int = 1024, sync: bool = True
+    ) -> int:
+        """Each process appends its own shards to disk: shard `k` to its own `dx.Dataset`,
+        `root/shard-<k>` (made at the first write, with `chunk_length` and `sync` as in
+        `Dataset.create`), whose env `e` is the global env `k · rows_per_shard + e`.
+
+        One writer per dataset, as `Dataset` requires: a shard lives on one device, whose
+        process alone writes it. Every process calls it (no collective; on the host, between
+        jitted steps), and `load_datasets` reads the shards back onto any number of
+        processes. Trajectory buffers only (what `Dataset.write` takes).
+
+        **Returns:** the number of steps this process wrote.
+        """
+        self._need(_TRAJECTORIES, "write_datasets")
+        root = Path(root)
+        local = self.local_shards()
+        written = 0
+        for j, k in enumerate(self.local_shard_ids):
+            shard = jax.tree.map(lambda x: x[j] if isinstance(x, np.ndarray) else x, local)
+            path = root / _shard_name(k)
+            if path.exists():
+                dataset = Dataset.open(path, shard, sync=sync)
+            else:
+                dataset = Dataset.create(
+                    path, shard.item_spec, shard.num_envs, chunk_length=chunk_length, sync=sync
+                )
+            try:
+                written += dataset.write(shard)
+            finally:
+                dataset.close()
+        return written
+
+    @classmethod
+    def load_datasets(
+        cls: type[_G],
+        root: str | os.PathLike,
+        mesh: Mesh,
+        make: Callable[[], _B],
+        *,
+        axis: str | None = None,
+    ) -> _G:
+        """The global buffer whose shard `k` holds the newest steps of `root/shard-<k>` (what
+        `write_datasets` wrote, from any number of processes), as `Dataset.load` reads them
+        into `make()`. Every process calls it and reads only its own shards.
+
+        **Raises:** `FileNotFoundError` if a shard's dataset is missing; what `Dataset.open`
+        and `Dataset.load` raise.
+        """
+        template = cls.abstract(mesh, make, axis=axis)
+        like = eqx.filter_eval_shape(make)
+        shards = []
+        for k in template.local_shard_ids:
+            path = Path(root) / _shard_name(k)
+            if not path.exists():
+                raise FileNotFoundError(
+                    f"`{_NAME}.load_datasets`: no dataset for shard {k} at {str(path)!r}; "
+                    f"{template.num_shards} shards need one each."
+                )
+            dataset = Dataset.open(path, like)
+            try:
+                shards.append(dataset.load(like))
+            finally:
+                dataset.close()
+        local = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *shards)
+        return cls.from_process_local(mesh, local, axis=template.axis)
 
     # ------------------------------------------------------------------ sizes
 
@@ -928,6 +1000,10 @@ class GlobalBuffer(eqx.Module, Generic[_B]):
             return out
         out, shard_dynamic = out
         return out, eqx.combine(shard_dynamic, new_static[0])
+
+
+def _shard_name(shard: int) -> str:
+    return f"shard-{shard:05d}"
 
 
 _RANGE = "global indices are shard · rows_per_shard + local index"

@@ -66,16 +66,17 @@ def _launch(out: Path, processes: int, devices: int, checks: list[str]) -> dict[
     return {i: logs[i].read_text() + f"\n[exit {running[i].returncode}]" for i in logs}
 
 
-RUN_CHECKS = [name for name in CHECKS if name not in ("save", "restore")]
+RUN_CHECKS = [name for name in CHECKS if name not in ("save", "datasets", "restore")]
+SAVE = ["save", "datasets"]
 
 
 # One test, not several sharing a fixture: under `pytest -n 2` they could land on both workers,
 # and each would launch the processes.
 def test_global_buffers_across_processes_and_checkpoints_across_topologies(tmp_path):
-    two = _launch(tmp_path, 2, 2, [*RUN_CHECKS, "save"])
-    _passed(two, [*RUN_CHECKS, "save"])
-    one = _launch(tmp_path, 1, 4, ["restore", "save"])  # restores what 2 processes saved
-    _passed(one, ["restore", "save"])
+    two = _launch(tmp_path, 2, 2, [*RUN_CHECKS, *SAVE])
+    _passed(two, [*RUN_CHECKS, *SAVE])
+    one = _launch(tmp_path, 1, 4, ["restore", *SAVE])  # restores what 2 processes saved
+    _passed(one, ["restore", *SAVE])
     again = _launch(tmp_path, 2, 2, ["restore"])  # restores what 1 process saved
     _passed(again, ["restore"])
 
