@@ -1,4 +1,4 @@
-"""The examples run end to end: the DQN demo in its smoke mode, and the quickstart.
+"""The examples run end to end: the DQN demos in their smoke modes, and the quickstart.
 
 They need the `examples` extra. `.ci/run` installs it; elsewhere the tests are skipped without it,
 except under CI (`CI` set), where a missing extra fails instead of passing unnoticed.
@@ -28,11 +28,11 @@ def _require(*modules: str) -> None:
     pytest.skip(message)
 
 
-def _run(args: list[str], cwd: pathlib.Path) -> subprocess.CompletedProcess:
+def _run(args: list[str], cwd: pathlib.Path, timeout: float = 600) -> subprocess.CompletedProcess:
     # A fresh interpreter: the examples run as users run them, without the tests' jaxtyping hook
     # or strict promotion settings.
     return subprocess.run(
-        [sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=600
+        [sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
     )
 
 
@@ -62,6 +62,24 @@ def test_dqn_cartpole_reports_failure(tmp_path):
         result.stderr
     )
     assert "step cap reached:" in result.stdout
+
+
+def test_multi_process_dqn_smoke(tmp_path):
+    # The launcher starts two processes of a `jax.distributed` program on this machine, each
+    # with its own actors and replay shard; both run to the step cap and stop together.
+    _require("gymnax", "optax")
+    script = str(ROOT / "examples" / "multi_process_dqn.py")
+    # Well above the smoke run's 15-25 s: the launcher stops the processes itself at 120 s.
+    result = _run([script, "--smoke", "--seed", "3", "--max-seconds", "60"], tmp_path, timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 processes x 1 devices: one GlobalBuffer of 2 UniformReplay shards" in result.stdout
+    assert "step cap reached: 512 env steps >= 512; stopping" in result.stdout
+    # The learner ran in both processes on the same batches: the same parameters.
+    assert "q-network bit-identical on all 2 devices: True" in result.stdout
+    # Per step, only the replay's sample crosses processes: 2 shard sizes (int32) and the
+    # batch of 32 transitions of 41 bytes; no gradient.
+    assert "total: 1,320 bytes per training step" in result.stdout
+    assert "smoke run: no learning threshold" in result.stdout
 
 
 def test_quickstart(tmp_path):

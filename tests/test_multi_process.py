@@ -43,15 +43,12 @@ def _launch(out: Path, processes: int, devices: int, checks: list[str]) -> dict[
     command += ["--devices", str(devices), "--port", str(port), "--out", str(out)]
     command += ["--checks", ",".join(checks)]
     logs = {i: out / f"launch-{processes}p-{i}.log" for i in range(processes)}
+    files = [logs[i].open("w") for i in range(processes)]
     running = [
         subprocess.Popen(
-            [*command, "--id", str(i)],
-            cwd=ROOT,
-            env=env,
-            stdout=logs[i].open("w"),
-            stderr=subprocess.STDOUT,
+            [*command, "--id", str(i)], cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT
         )
-        for i in range(processes)
+        for i, f in enumerate(files)
     ]
     try:
         for process in running:
@@ -63,6 +60,8 @@ def _launch(out: Path, processes: int, devices: int, checks: list[str]) -> dict[
             if process.poll() is None:
                 process.kill()
                 process.wait()
+        for f in files:
+            f.close()
     return {i: logs[i].read_text() + f"\n[exit {running[i].returncode}]" for i in logs}
 
 
