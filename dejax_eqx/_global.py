@@ -363,7 +363,9 @@ class GlobalBuffer(eqx.Module, Generic[_B]):
         local = self.local_shards()
         written = 0
         for j, k in enumerate(self.local_shard_ids):
-            shard = jax.tree.map(lambda x: x[j] if isinstance(x, np.ndarray) else x, local)
+            shard = jax.tree.map(
+                lambda x: jnp.asarray(x[j]) if isinstance(x, np.ndarray) else x, local
+            )
             path = root / _shard_name(k)
             if path.exists():
                 dataset = Dataset.open(path, shard, sync=sync)
