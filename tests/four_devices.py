@@ -14,7 +14,6 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import NamedTuple
 
 import dejax_eqx as dx
 import equinox as eqx
@@ -27,6 +26,7 @@ from hypothesis import given, settings
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from .helpers import assert_bits_equal, python_blocks, SPECS
+from .hlo import aliased_parameters, collectives
 from .registry import batch_args, BUFFER_TYPES, filled, filled_batch
 from .test_io import batch_step, BUFFER_CASES, make_batch, MAX_SIZES, on_default_device, SPEC_NAMES
 
@@ -56,85 +56,9 @@ anakin = _load_example("sharding_anakin")
 per_device = _load_example("sharding_shard_map")
 
 
-# ---------------------------------------------------------------------------------------------
-# Reading compiled HLO
-
-
-class Collective(NamedTuple):
-    op: str  # "all-reduce", "all-gather", ... (an async "-start" form counts as its op)
-    shapes: tuple[str, ...]  # result shapes without layouts, e.g. ("f32[5,3]",), ("pred[]",)
-    computation: str
-    every_step: bool  # False when it sits only in a branch of a `conditional`
-
-
-_COLLECTIVE_OPS = {
-    "all-gather",
-    "all-to-all",
-    "ragged-all-to-all",
-    "collective-permute",
-    "collective-broadcast",
-    "all-reduce",
-    "reduce-scatter",
-    "send",
-    "recv",
-}
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[A-Za-z_][\w.\-]*)\s.*\{\s*$")
-_INSTRUCTION = re.compile(
-    r"^\s+(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<type>.+?)\s+(?P<op>[a-z][a-z0-9\-]*)\((?P<rest>.*)$"
-)
-_CALLEES = re.compile(r"\b(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
-
-
-def collectives(hlo: str) -> list[Collective]:
-    """Every cross-device collective of a compiled (SPMD-partitioned) HLO module.
-
-    An instruction is a collective when its opcode (the word right before its operand list,
-    after the result type) is one of `_COLLECTIVE_OPS`, possibly as an async `-start`. Names,
-    metadata and `-done` halves are not matched. A collective runs `every_step` when its
-    computation is reachable from the entry computation through calls, fusions, reductions and
-    loops, without entering a branch of a `conditional`.
-    """
-    computations: dict[str, list[tuple[str, str, str]]] = {}
-    entry = current = None
-    for line in hlo.splitlines():
-        if m := _COMPUTATION.match(line):
-            current = m["name"]
-            computations[current] = []
-            if line.startswith("ENTRY"):
-                entry = current
-        elif current is not None and (m := _INSTRUCTION.match(line)):
-            computations[current].append((m["op"], m["type"], m["rest"]))
-    assert entry is not None, "no ENTRY computation found: not an HLO module?"
-    every_step, todo = set(), [entry]
-    while todo:
-        name = todo.pop()
-        if name in every_step:
-            continue
-        every_step.add(name)
-        for op, _, rest in computations[name]:
-            if op != "conditional":
-                todo.extend(_CALLEES.findall(rest))
-    found = []
-    for name, instructions in computations.items():
-        for op, type_, _ in instructions:
-            base = op.removesuffix("-start")
-            if base in _COLLECTIVE_OPS:
-                # XLA combines small collectives: the result may be a tuple of arrays.
-                shapes = tuple(re.findall(r"[a-z]+[0-9]*\[[0-9,]*\]", type_))
-                found.append(Collective(base, shapes, name, name in every_step))
-    return found
-
-
 def _hlo_shape(x) -> str:
     dtype = {"float32": "f32", "int32": "s32", "uint32": "u32", "bool": "pred"}[str(x.dtype)]
     return f"{dtype}[{','.join(map(str, x.shape))}]"
-
-
-def aliased_parameters(hlo: str) -> set[int]:
-    """The parameters whose buffers the outputs reuse (`input_output_alias` of the module)."""
-    header = hlo.splitlines()[0]
-    match = re.search(r"input_output_alias=\{(.*?)\s\}", header)
-    return {int(p) for p in re.findall(r"\((\d+), \{\}, (?:may|must)-alias\)", match[1])}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -176,6 +176,27 @@ def uniform(out: Path) -> None:
         ids = jax.vmap(lambda k: buffer.sample(k, 4096)["id"])(keys).reshape(-1)
         return jnp.zeros(n * 1000, jnp.int32).at[ids].add(1)
 
+    # What crosses devices: nothing on add; on sample, two all-reduces (a size per shard, and
+    # the batch's bits), every step. The buffer is updated in place under donation.
+    from .hlo import aliased_parameters, collectives
+
+    rows = buffer.rows(_local(np, buffer, items))
+
+    def compiled(fn, *args):
+        return jax.jit(fn, donate_argnums=0).lower(*args).compile().as_text()
+
+    add_hlo = compiled(lambda b, x: b.add_batch(x), buffer, rows)
+    assert collectives(add_hlo) == []
+    leaves = len(jax.tree.leaves(buffer))
+    assert set(range(leaves)) <= aliased_parameters(add_hlo)
+    sample_hlo = compiled(lambda b, k: (b, b.sample(k, 64)), buffer, jax.random.key(0))
+    found = [(c.op, c.shapes) for c in collectives(sample_hlo) if c.every_step]
+    print(f"sample's collectives: {found}", flush=True)
+    # XLA may combine the batch's all-reduces into one of a tuple; the shapes are the same.
+    shapes = sorted(shape for op, group in found if op == "all-reduce" for shape in group)
+    assert {op for op, _ in found} == {"all-reduce"}, found
+    assert shapes == sorted([f"s32[{n}]", f"u32[64,{ITEM_SHAPE[0]}]", "s32[64]"]), found
+
     c = np.asarray(counts(buffer, jax.random.key(7)))
     p = np.zeros(n * 1000)
     p[np.asarray(items["id"])[mask]] = 1 / mask.sum()
@@ -412,9 +433,8 @@ def _fill(name, buffer):
 
 def _fingerprint(tree):
     """Every array leaf of a global buffer (its shards) or of a part of its shards, whole."""
-    import jax
-
     import dejax_eqx as dx
+    import jax
 
     if isinstance(tree, dx.GlobalBuffer):
         tree = tree.shards
