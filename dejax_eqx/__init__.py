@@ -9,7 +9,9 @@ from ._abstract import (
 )
 from ._clustered import ClusteredReplay as ClusteredReplay
 from ._dataset import Dataset as Dataset
-from ._global import GlobalBuffer as GlobalBuffer
+from ._global import AbstractGlobalBuffer as AbstractGlobalBuffer
+from ._global_replay import GlobalReplay as GlobalReplay
+from ._global_trajectories import GlobalTrajectoryBuffer as GlobalTrajectoryBuffer
 from ._io import load as load, save as save
 from ._nstep import NStep as NStep, Transitions as Transitions
 from ._priorities import (

@@ -1,4 +1,5 @@
-"""Checks of `dx.GlobalBuffer` across real processes, run by `test_multi_process.py`.
+"""Checks of the global buffers (`dx.GlobalReplay`, `dx.GlobalTrajectoryBuffer`) across real
+processes, run by `test_multi_process.py`.
 
 One process of a `jax.distributed` program: started `--processes` times on 127.0.0.1 with
 `--devices` CPU devices each, CPU collectives over gloo. Every check asserts in every process
@@ -150,7 +151,7 @@ def uniform(out: Path) -> None:
     """Each process adds only its own shards' rows; shards unequally full; the global sample
     equals a single replay's holding shard 0's items, then shard 1's, ...; chi-square."""
     dx, eqx, jax, jnp, np = _setup()
-    buffer = dx.GlobalBuffer(_mesh(), lambda: dx.UniformReplay(_item(), 16))
+    buffer = dx.GlobalReplay(_mesh(), lambda: dx.UniformReplay(_item(), 16))
     n = buffer.num_shards
     items, mask = _replay_rows(np, n, 8, lambda k: 2 * k + 1)
     buffer = buffer.add_batch(
@@ -210,7 +211,7 @@ def prioritised(out: Path) -> None:
     priority update goes to the owning shard, and a stale one is dropped."""
     dx, eqx, jax, jnp, np = _setup()
     make = lambda: dx.PrioritisedReplay(_item(), 8, priority_exponent=1.0)  # noqa: E731
-    buffer = dx.GlobalBuffer(_mesh(), make)
+    buffer = dx.GlobalReplay(_mesh(), make)
     n = buffer.num_shards
     items, mask = _replay_rows(np, n, 8, lambda k: k + 2)
     priorities = (np.arange(8 * n) % 5 + 1).astype(np.float32)
@@ -256,7 +257,7 @@ def trajectory(out: Path) -> None:
     stamps name global envs."""
     dx, eqx, jax, jnp, np = _setup()
     envs = 3
-    buffer = dx.GlobalBuffer(_mesh(), lambda: dx.TrajectoryBuffer(_item(), envs, 8))
+    buffer = dx.GlobalTrajectoryBuffer(_mesh(), lambda: dx.TrajectoryBuffer(_item(), envs, 8))
     n = buffer.num_shards
     single = dx.TrajectoryBuffer(_item(), envs * n, 8)
     rng = np.random.default_rng(0)
@@ -315,7 +316,7 @@ def prioritised_trajectory(out: Path) -> None:
     make = lambda: dx.PrioritisedTrajectoryBuffer(  # noqa: E731
         _item(), envs, 8, window, priority_exponent=1.0
     )
-    buffer = dx.GlobalBuffer(_mesh(), make)
+    buffer = dx.GlobalTrajectoryBuffer(_mesh(), make)
     n = buffer.num_shards
     single = dx.PrioritisedTrajectoryBuffer(_item(), envs * n, 8, window, priority_exponent=1.0)
     add = eqx.filter_jit(lambda b, x: b.add(x))
@@ -349,7 +350,7 @@ def queue_and_clustered(out: Path) -> None:
     """A queue pops every env's oldest steps on its own device; a clustered replay draws the
     cluster by the global cluster sizes (chi-square)."""
     dx, eqx, jax, jnp, np = _setup()
-    queue = dx.GlobalBuffer(_mesh(), lambda: dx.TrajectoryQueue(_item(), 2, 8))
+    queue = dx.GlobalTrajectoryBuffer(_mesh(), lambda: dx.TrajectoryQueue(_item(), 2, 8))
     n = queue.num_shards
     steps = {
         "obs": np.ones((2 * n, 5, 3), np.float32),
@@ -363,7 +364,7 @@ def queue_and_clustered(out: Path) -> None:
     assert not bool(queue.can_pop(3)) and bool(queue.can_pop(2))
 
     odd = lambda item: item["id"] % 2  # noqa: E731
-    replay = dx.GlobalBuffer(
+    replay = dx.GlobalReplay(
         _mesh(), lambda: dx.ClusteredReplay(dx.UniformReplay(_item(), 8), 2, odd)
     )
     items, mask = _replay_rows(np, n, 8, lambda k: k + 2)
@@ -382,7 +383,7 @@ def queue_and_clustered(out: Path) -> None:
 def errors(out: Path) -> None:
     """An empty global buffer, and a bad index, raise in every process."""
     dx, eqx, jax, jnp, np = _setup()
-    buffer = dx.GlobalBuffer(_mesh(), lambda: dx.PrioritisedReplay(_item(), 4))
+    buffer = dx.GlobalReplay(_mesh(), lambda: dx.PrioritisedReplay(_item(), 4))
     for bad in (
         lambda b: b.sample(jax.random.key(0), 4),
         lambda b: b.set_priorities(jnp.array([0]), jnp.array([1.0])),
@@ -399,13 +400,18 @@ def errors(out: Path) -> None:
 
 
 def _checkpointed():
-    """Three buffers whose contents are a function of the global shard alone."""
+    """Three buffers whose contents are a function of the global shard alone: for each, its
+    class and how to make one shard."""
     dx, eqx, jax, jnp, np = _setup()
     mesh = _mesh()
+    window = dx.Window(2, strict=True)
     makers = {
-        "uniform": lambda: dx.UniformReplay(_item(), 8),
-        "prioritised": lambda: dx.PrioritisedReplay(_item(), 8),
-        "windows": lambda: dx.PrioritisedTrajectoryBuffer(_item(), 2, 8, dx.Window(2, strict=True)),
+        "uniform": (dx.GlobalReplay, lambda: dx.UniformReplay(_item(), 8)),
+        "prioritised": (dx.GlobalReplay, lambda: dx.PrioritisedReplay(_item(), 8)),
+        "windows": (
+            dx.GlobalTrajectoryBuffer,
+            lambda: dx.PrioritisedTrajectoryBuffer(_item(), 2, 8, window),
+        ),
     }
     return mesh, makers
 
@@ -436,7 +442,7 @@ def _fingerprint(tree):
     import dejax_eqx as dx
     import jax
 
-    if isinstance(tree, dx.GlobalBuffer):
+    if isinstance(tree, dx.AbstractGlobalBuffer):
         tree = tree.shards
     return [_whole(x) for x in jax.tree.leaves(tree)]
 
@@ -449,8 +455,8 @@ def save(out: Path) -> None:
     mesh, makers = _checkpointed()
     tag = f"{jax.process_count()}p"
     checkpointer = ocp.StandardCheckpointer()
-    for name, make in makers.items():
-        buffer = _fill(name, dx.GlobalBuffer(mesh, make))
+    for name, (kind, make) in makers.items():
+        buffer = _fill(name, kind(mesh, make))
         checkpointer.save((out / f"{name}-{tag}").absolute(), buffer)
         if jax.process_index() == 0:
             np.savez(out / f"{name}-{tag}.npz", *_fingerprint(buffer))
@@ -464,7 +470,7 @@ def datasets(out: Path) -> None:
     """Each process writes its own shards of a trajectory buffer to `dx.Dataset`s, twice; the
     other topology loads them (`restore`)."""
     dx, eqx, jax, jnp, np = _setup()
-    buffer = dx.GlobalBuffer(_mesh(), _dataset_shard)
+    buffer = dx.GlobalTrajectoryBuffer(_mesh(), _dataset_shard)
     n = buffer.num_shards
     written = 0
     for t in range(9):
@@ -476,7 +482,7 @@ def datasets(out: Path) -> None:
         if t in (4, 8):
             written += buffer.write_datasets(out / f"datasets-{jax.process_count()}p")
     assert written == 9 * 2 * buffer.num_local_shards
-    loaded = dx.GlobalBuffer.load_datasets(
+    loaded = dx.GlobalTrajectoryBuffer.load_datasets(
         out / f"datasets-{jax.process_count()}p", _mesh(), _dataset_shard
     )
     # The steps and step counts come back; the online queue starts empty (`with_streams`).
@@ -499,10 +505,10 @@ def restore(out: Path) -> None:
     mesh, makers = _checkpointed()
     other = "2p" if jax.process_count() == 1 else "1p"
     checkpointer = ocp.StandardCheckpointer()
-    for name, make in makers.items():
-        target = dx.GlobalBuffer.abstract(mesh, make)
+    for name, (kind, make) in makers.items():
+        target = kind.abstract(mesh, make)
         restored = checkpointer.restore((out / f"{name}-{other}").absolute(), target)
-        assert isinstance(restored, dx.GlobalBuffer)
+        assert isinstance(restored, kind)
         want = np.load(out / f"{name}-{other}.npz")
         got = _fingerprint(restored)
         assert len(got) == len(want.files)
@@ -512,7 +518,9 @@ def restore(out: Path) -> None:
         # The restored buffer works: it samples.
         jax.block_until_ready(restored.sample(jax.random.key(0), 4))
     # The datasets the other topology's processes wrote, one per shard.
-    loaded = dx.GlobalBuffer.load_datasets(out / f"datasets-{other}", mesh, _dataset_shard)
+    loaded = dx.GlobalTrajectoryBuffer.load_datasets(
+        out / f"datasets-{other}", mesh, _dataset_shard
+    )
     assert _whole(loaded.shards.step_count).tolist() == [[9, 9]] * loaded.num_shards
     ids = _whole(loaded.shards.data["id"])  # (shards, envs, max_length): the newest 6 steps
     envs = np.arange(2 * loaded.num_shards).reshape(-1, 2)

@@ -89,7 +89,7 @@ def test_snippets_were_found():
 
 @pytest.mark.parametrize("code", SNIPPETS)
 def test_snippet_runs(code):
-    if re.search(r"\bjax\.(shard_map|sharding\.reshard)\b|GlobalBuffer", code) and not hasattr(
+    if re.search(r"\bjax\.(shard_map|sharding\.reshard)\b|dx\.Global", code) and not hasattr(
         jax.sharding, "reshard"
     ):
         pytest.skip("the sharding guide needs JAX 0.7+ (jax.shard_map, jax.sharding.reshard)")
@@ -358,12 +358,12 @@ def _exercise_every_fault_site() -> None:
 
     eqx.filter_eval_shape(run, buffers, jax.random.key(0))
     eqx.filter_eval_shape(flashbax_layer, jax.random.key(0))
-    if hasattr(jax, "shard_map"):  # GlobalBuffer needs JAX 0.7+
+    if hasattr(jax, "shard_map"):  # the global buffers need JAX 0.7+
         _exercise_global_buffers(item, window)
 
 
 def _exercise_global_buffers(item, window) -> None:
-    """`dx.GlobalBuffer`'s fault sites, on a mesh of this process's one device."""
+    """The global buffers' fault sites, on a mesh of this process's one device."""
     mesh = jax.make_mesh((1,), ("replay",))
     odd = lambda x: (x["reward"] > 0).astype(jnp.int32)  # noqa: E731
     makers = {
@@ -374,7 +374,11 @@ def _exercise_global_buffers(item, window) -> None:
         "windows": lambda: dx.PrioritisedTrajectoryBuffer(item, 2, 4, window),
         "queue": lambda: dx.TrajectoryQueue(item, num_envs=2, max_length=4),
     }
-    buffers = {name: dx.GlobalBuffer(mesh, make) for name, make in makers.items()}
+    replays = ("uniform", "prioritised", "clustered")
+    kind = {
+        name: dx.GlobalReplay if name in replays else dx.GlobalTrajectoryBuffer for name in makers
+    }
+    buffers = {name: kind[name](mesh, make) for name, make in makers.items()}
 
     def run(b, key):
         batch = jax.tree.map(lambda x: jnp.stack([x, x]), item)
@@ -417,8 +421,8 @@ def test_every_fault_message_is_collected(monkeypatch):
     _exercise_every_fault_site()
 
     missed = extractor.package().callers("check_faults") - {site for site, _ in calls}
-    if not hasattr(jax, "shard_map"):  # GlobalBuffer needs JAX 0.7+
-        missed = {(where, name) for where, name in missed if where != "dejax_eqx/_global.py"}
+    if not hasattr(jax, "shard_map"):  # the global buffers need JAX 0.7+
+        missed = {(where, name) for where, name in missed if "/_global" not in where}
     assert not missed, f"exercise these calls of `check_faults` above: {sorted(missed)}"
     templates = list(dict.fromkeys(m.template for m in extractor.messages() if m.kind == "runtime"))
     unknown = {

@@ -1,7 +1,7 @@
-"""`dx.GlobalBuffer` across real processes: `multi_process.py`'s checks, run in 2 processes of
-2 CPU devices each on 127.0.0.1 (the real `jax.distributed` runtime, CPU collectives over
-gloo), and orbax checkpoints saved by 2 processes restored by 1 process of 4 devices, and the
-other way round.
+"""The global buffers across real processes: `multi_process.py`'s checks, run in 2 processes
+of 2 CPU devices each on 127.0.0.1 (the real `jax.distributed` runtime, CPU collectives over
+gloo), and orbax checkpoints and datasets written by 2 processes read by 1 process of 4
+devices, and the other way round.
 
 Three launches: 2 processes run every check and save; 1 process restores that and saves; 2
 processes restore that. Every launch is bounded in time: a check that fails in one process
@@ -24,7 +24,7 @@ ROOT = Path(__file__).parent.parent
 TIMEOUT_S = 240  # per launch; a launch takes about 20 s on 2 idle cores
 
 pytestmark = pytest.mark.skipif(
-    not hasattr(jax, "shard_map"), reason="dx.GlobalBuffer needs JAX 0.7+ (jax.shard_map)"
+    not hasattr(jax, "shard_map"), reason="the global buffers need JAX 0.7+ (jax.shard_map)"
 )
 
 
