@@ -11,6 +11,7 @@ from typing import Any, Generic, TypeVar
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, ArrayLike, PyTree
@@ -204,7 +205,8 @@ class AbstractGlobalBuffer(eqx.Module, Generic[_B]):
 
     def rows(self, local: PyTree[ArrayLike]) -> PyTree[Array]:
         """A global array of `add`/`add_batch`/`extend` arguments (items, or env ids) from
-        this process's rows: the blocks of its own shards, in order.
+        this process's rows: the blocks of its own shards, in order. Any pytree laid out
+        like the shards places so (an actor's env states, typed PRNG keys included).
 
         Every process calls it with its own rows (the same number of rows per shard in
         every process). For a trajectory buffer with every env (`env_ids=None`), the rows
@@ -217,6 +219,9 @@ class AbstractGlobalBuffer(eqx.Module, Generic[_B]):
         count = self.num_local_shards
 
         def one(x):
+            if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+                data = one(jax.random.key_data(x))
+                return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
             x = np.asarray(x)
             if x.ndim == 0 or x.shape[0] % count:
                 raise ValueError(

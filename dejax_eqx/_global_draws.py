@@ -43,7 +43,7 @@ def sample_replay(
         if isinstance(replay, ClusteredReplay):
             return _draw_clustered(replay, key, batch_size, axis, n, me, call)
         law = _item_law(replay)
-        masses = per_shard(law.mass(replay), axis, n)
+        masses, sizes = per_shard((law.mass(replay), replay.size), axis, n)
         total = jnp.sum(masses)
         targets = law.targets(key, batch_size, total)
         owner, residual = locate(targets, masses)
@@ -51,7 +51,6 @@ def sample_replay(
         rows = law.at(replay, jnp.where(mine, residual, 0), total)
         out = assemble(rows, mine, axis)
         out = law.globalize(out, owner, replay.max_size)
-        sizes = per_shard(replay.size, axis, n)
         faults = [
             (jnp.sum(sizes) == 0, f"`{call}`: cannot sample from an empty {name}"),
             *law.faults(total, call),
@@ -83,8 +82,8 @@ def sample_windows(
 
     def local(buffer: TrajectoryBuffer, key: PRNGKeyArray, power: Array):
         me = jax.lax.axis_index(axis)
-        lengths = per_shard(buffer.lengths(source), axis, n).reshape(-1)
-        counts = per_shard(buffer.step_count, axis, n).reshape(-1)
+        lengths, counts = per_shard((buffer.lengths(source), buffer.step_count), axis, n)
+        lengths, counts = lengths.reshape(-1), counts.reshape(-1)
         starts = phase(counts, window.period)
         # The draw of a single buffer of every env: the same rows in every device.
         env, back, _ = draw_starts(key, lengths, starts, batch_size, window.law, power)
@@ -118,7 +117,7 @@ def sample_prioritised_windows(
     def local(buffer: PrioritisedTrajectoryBuffer, key: PRNGKeyArray, beta: Array):
         me = jax.lax.axis_index(axis)
         tree = buffer.priorities.tree
-        masses = per_shard(tree.total, axis, n)
+        masses, numbers = per_shard((tree.total, buffer.num_windows), axis, n)
         total = jnp.sum(masses)
         targets = float_targets(key, batch_size, total, buffer.priorities.stratified)
         owner, residual = locate(targets, masses)
@@ -129,7 +128,7 @@ def sample_prioritised_windows(
         read = read_windows(buffer.streams, env, back, buffer.window)
         read, leaves, value = assemble((read, leaves, value), mine, axis)
         read = read._replace(env=read.env + owner * k)
-        number = jnp.sum(per_shard(buffer.num_windows, axis, n))
+        number = jnp.sum(numbers)
         positive = total > 0
         probabilities = jnp.where(positive, value / jnp.where(positive, total, 1), 0)
         w = weights(jnp.where(positive, probabilities, 1), jnp.maximum(number, 1), beta)
@@ -220,8 +219,8 @@ def _draw_clustered(
     """The global clustered law: a cluster by the global cluster sizes, then the inner law
     over that cluster's items in every shard."""
     law = _item_law(replay.clusters)
-    sizes = per_shard(replay.cluster_sizes, axis, n)  # (shards, clusters)
-    masses = per_shard(jax.vmap(law.mass)(replay.clusters), axis, n)
+    # (shards, clusters) each
+    sizes, masses = per_shard((replay.cluster_sizes, jax.vmap(law.mass)(replay.clusters)), axis, n)
     cluster_key, target_key = jax.random.split(key)
     chosen = choose_clusters(
         cluster_key, jnp.sum(sizes, axis=0), replay.distribution_power, batch_size

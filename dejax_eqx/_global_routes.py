@@ -220,8 +220,8 @@ def _global_stamps(
 ) -> _Stamps:
     """Stamps `(env, start)` of global envs read against every shard's counters, gathered
     (two numbers per env), so that every device reaches the same verdict."""
-    counts = per_shard(buffer.step_count, axis, n).reshape(-1)
-    lengths = per_shard(buffer.streams.lengths, axis, n).reshape(-1)
+    counts, lengths = per_shard((buffer.step_count, buffer.streams.lengths), axis, n)
+    counts, lengths = counts.reshape(-1), lengths.reshape(-1)
     env = jnp.where(bad_env, 0, env)
     taken, length = counts[env], lengths[env]
     bad_start = ~bad_env & ((start < 0) | (start >= taken))

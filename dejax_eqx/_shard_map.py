@@ -124,39 +124,69 @@ def _put(x: Any, sharding: NamedSharding) -> Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
-def per_shard(x: Array, axis: str, n: int) -> Array:
-    """Every shard's `x`, stacked in shard order, in every device: one all-reduce of
-    `n · x.size` numbers (each device adds its own at its place, zeros elsewhere: exact)."""
+def per_shard(values: PyTree[Array], axis: str, n: int) -> PyTree[Array]:
+    """Every shard's `values` (a pytree of arrays), each leaf stacked in shard order, in
+    every device: one all-reduce, of `n` rows (each device writes its own row, zeros
+    elsewhere, so the sum is exact)."""
     me = jax.lax.axis_index(axis)
-    x = jnp.asarray(x)
-    return jax.lax.psum(jnp.zeros((n, *x.shape), x.dtype).at[me].set(x), axis)
+    values = jax.tree.map(jnp.asarray, values)
+    rows = jax.tree.map(lambda x: jnp.zeros((n, *x.shape), x.dtype).at[me].set(x), values)
+    return _psum_bits(rows, jnp.arange(n) == me, axis)
+
+
+def assemble(rows: PyTree[Array], mine: Bool[Array, " b"], axis: str) -> PyTree[Array]:
+    """The rows each device owns (`mine`, one flag per row of every leaf), put together in
+    every device: one all-reduce of the batch."""
+    return _psum_bits(rows, mine, axis)
 
 
 _BITS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
 
-def assemble(rows: PyTree[Array], mine: Bool[Array, " b"], axis: str) -> PyTree[Array]:
-    """The rows each device owns (`mine`), put together in every device: one all-reduce of
-    the batch. Values travel as their bits, so a float comes back bit for bit (-0.0, NaN
-    payloads included), not as a sum."""
+def _psum_bits(rows: PyTree[Array], mine: Bool[Array, " b"], axis: str) -> PyTree[Array]:
+    """`psum` of the rows where `mine` (zeros elsewhere), as one all-reduce: every leaf's
+    rows are turned into 32-bit words, side by side, and back. Values travel as their bits,
+    so a float comes back bit for bit (-0.0 and NaN payloads included), never as a sum of
+    floats; and one collective costs one round trip, where one per leaf (as XLA leaves
+    collectives of different dtypes) costs one each."""
+    leaves, treedef = jax.tree.flatten(rows)
+    if not leaves:
+        return rows
+    words = [_to_words(x) for x in leaves]
+    packed = jnp.concatenate(words, axis=1)
+    packed = jax.lax.psum(jnp.where(mine[:, None], packed, 0), axis)
+    splits = np.cumsum([w.shape[1] for w in words])[:-1]
+    parts = jnp.split(packed, splits, axis=1)
+    return jax.tree.unflatten(treedef, [_from_words(w, x) for w, x in zip(parts, leaves)])
 
-    def one(x):
-        if not eqx.is_array(x):
-            return x
-        keep = mine.reshape(mine.shape + (1,) * (x.ndim - 1))
-        dtype = x.dtype
-        if dtype == jnp.bool_:
-            return jax.lax.psum(jnp.where(keep, x, False).astype(jnp.uint8), axis) > 0
-        if jnp.issubdtype(dtype, jnp.integer):
-            return jax.lax.psum(jnp.where(keep, x, 0), axis)
-        if jnp.issubdtype(dtype, jnp.complexfloating):
-            parts = one(jnp.real(x)), one(jnp.imag(x))
-            return jax.lax.complex(*parts).astype(dtype)
-        bits = jax.lax.bitcast_convert_type(x, _BITS[dtype.itemsize])
-        summed = jax.lax.psum(jnp.where(keep, bits, 0), axis)
-        return jax.lax.bitcast_convert_type(summed, dtype)
 
-    return jax.tree.map(one, rows)
+def _to_words(x: Array) -> Array:
+    """`x` (a leading axis of rows) as uint32 words, `(rows, words per row)`."""
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        x = jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
+    if x.dtype == jnp.bool_:
+        bits = x.astype(jnp.uint32)
+    elif x.dtype.itemsize == 8:
+        bits = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(x, jnp.uint64), jnp.uint32)
+    else:
+        bits = jax.lax.bitcast_convert_type(x, _BITS[x.dtype.itemsize]).astype(jnp.uint32)
+    return bits.reshape(x.shape[0], -1)
+
+
+def _from_words(words: Array, like: Array) -> Array:
+    """The inverse of `_to_words`, for an array of `like`'s shape and dtype."""
+    dtype, shape = like.dtype, like.shape
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        part = jnp.zeros((*shape, 2), jnp.real(like).dtype)
+        pair = _from_words(words, part)
+        return jax.lax.complex(pair[..., 0], pair[..., 1]).astype(dtype)
+    if dtype == jnp.bool_:
+        return words.reshape(shape) != 0
+    if dtype.itemsize == 8:
+        bits = jax.lax.bitcast_convert_type(words.reshape(*shape, 2), jnp.uint64)
+    else:
+        bits = words.reshape(shape).astype(_BITS[dtype.itemsize])
+    return jax.lax.bitcast_convert_type(bits, dtype)
 
 
 def locate(targets: Array, masses: Array) -> tuple[Int[Array, " b"], Array]:

@@ -1,0 +1,75 @@
+"""The global buffers in this process, on a mesh of its one device (the checks across
+processes are `multi_process.py`'s): values of every kind come back bit for bit, and the
+draws are a single buffer's."""
+
+import dejax_eqx as dx
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(jax, "shard_map"), reason="the global buffers need JAX 0.7+ (jax.shard_map)"
+)
+
+
+def _mesh():
+    return jax.make_mesh((1,), ("replay",))
+
+
+def test_sampled_values_come_back_bit_for_bit_whatever_their_dtype():
+    # The batch crosses devices as 32-bit words: -0.0, NaN payloads, subnormals, 64-bit,
+    # 8-bit, boolean and complex values must all survive it unchanged.
+    item = {
+        "f32": jnp.zeros(3, jnp.float32),
+        "f16": jnp.zeros(2, jnp.float16),
+        "bf16": jnp.zeros((), jnp.bfloat16),
+        "i8": jnp.zeros(2, jnp.int8),
+        "u16": jnp.zeros((), jnp.uint16),
+        "bool": jnp.zeros(2, jnp.bool_),
+        "c64": jnp.zeros((), jnp.complex64),
+    }
+    n = 8
+    rng = np.random.default_rng(0)
+    odd = np.array([-0.0, np.nan, 1e-45], np.float32)
+    odd.view(np.uint32)[1] |= 0x1234  # a NaN with a payload
+    items = {
+        "f32": np.tile(odd, (n, 1)),
+        "f16": rng.normal(size=(n, 2)).astype(np.float16),
+        "bf16": jnp.asarray(rng.normal(size=n), jnp.bfloat16),
+        "i8": rng.integers(-128, 128, (n, 2)).astype(np.int8),
+        "u16": rng.integers(0, 2**16, n).astype(np.uint16),
+        "bool": rng.random((n, 2)) < 0.5,
+        "c64": (rng.normal(size=n) + 1j * rng.normal(size=n)).astype(np.complex64),
+    }
+    replay = dx.GlobalReplay(_mesh(), lambda: dx.UniformReplay(item, 16)).add_batch(items)
+    single = dx.UniformReplay(item, 16).add_batch(items)
+    key = jax.random.key(3)
+    got, want = replay.sample(key, 32), single.sample(key, 32)
+    for name in item:
+        a, b = np.asarray(got[name]), np.asarray(want[name])
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), name
+
+
+def test_a_prioritised_global_replay_on_one_device_draws_as_the_replay_it_holds():
+    item = {"x": jnp.zeros(())}
+    make = lambda: dx.PrioritisedReplay(item, 32, stratified=True)  # noqa: E731
+    replay = dx.GlobalReplay(_mesh(), make)
+    priorities = jnp.arange(1.0, 21.0)
+    items = {"x": jnp.arange(20.0)}
+    replay, single = replay.add_batch(items, priorities), make().add_batch(items, priorities)
+
+    @eqx.filter_jit(donate="all")
+    def step(replay, key):
+        sample = replay.sample(key, 16)
+        return replay.set_priorities(sample.indices, sample.items["x"] + 1), sample
+
+    replay, got = step(replay, jax.random.key(0))
+    want = single.sample(jax.random.key(0), 16)
+    assert np.array_equal(got.indices, want.indices)
+    np.testing.assert_allclose(got.probabilities, want.probabilities, rtol=1e-6)
+    single = single.set_priorities(want.indices, want.items["x"] + 1)
+    leaves = jax.vmap(lambda shard: shard.tree.leaves)(replay.shards)[0]
+    assert np.array_equal(np.asarray(leaves), np.asarray(single.tree.leaves))
