@@ -72,13 +72,13 @@ def test_multi_process_dqn_smoke(tmp_path):
     # Well above the smoke run's 15-25 s: the launcher stops the processes itself at 120 s.
     result = _run([script, "--smoke", "--seed", "3", "--max-seconds", "60"], tmp_path, timeout=180)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "2 processes x 1 devices: one GlobalBuffer of 2 UniformReplay shards" in result.stdout
+    assert "2 processes x 1 devices: one GlobalReplay of 2 UniformReplay shards" in result.stdout
     assert "step cap reached: 512 env steps >= 512; stopping" in result.stdout
     # The learner ran in both processes on the same batches: the same parameters.
     assert "q-network bit-identical on all 2 devices: True" in result.stdout
-    # Per step, only the replay's sample crosses processes: 2 shard sizes (int32) and the
-    # batch of 32 transitions of 41 bytes; no gradient.
-    assert "total: 1,320 bytes per training step" in result.stdout
+    # Per step, only the replay's sample crosses processes: the shards' sizes (2 words each)
+    # and the batch of 32 transitions of 11 32-bit words; no gradient.
+    assert "total: 1,424 bytes per training step" in result.stdout
     assert "smoke run: no learning threshold" in result.stdout
 
 
