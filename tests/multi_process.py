@@ -340,7 +340,7 @@ def prioritised_trajectory(out: Path) -> None:
     leaves = _whole(jax.vmap(lambda b: b.tree.leaves)(buffer.shards)).reshape(-1)
     assert np.array_equal(leaves, np.asarray(single.tree.leaves))
     key = jax.random.key(6)
-    got, want = sample(buffer, key, 64), sample(single, key, 64)
+    got, want = sample(buffer, key, 16), sample(single, key, 16)
     assert np.array_equal(np.asarray(got.indices), np.asarray(want.indices))
 
 
