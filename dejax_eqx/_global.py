@@ -16,7 +16,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, ArrayLike, PyTree
 
-from ._checks import plural
+from ._checks import check_positive_int, plural
 from ._shard_map import Layout
 
 
@@ -61,7 +61,8 @@ class AbstractGlobalBuffer(eqx.Module, Generic[_B]):
         - `mesh`: a `jax.sharding.Mesh`; with `jax.distributed`, one over the devices of
             every process (`jax.make_mesh` over `jax.devices()` makes one).
         - `make`: `make() -> buffer`, one shard: an empty buffer of one of the types above,
-            of the size one device holds (a buffer of `N` items over `D` devices: `N // D`).
+            of the size one device holds (`shard_size(mesh, N)` of a buffer of `N` items or
+            envs, which refuses an `N` the shards do not divide).
             It runs once, inside `jax.jit`, so each device allocates only its own shard.
         - `axis`: the mesh axis the shards are split over (default: the mesh's only axis).
             Over the mesh's other axes, if any, every shard is replicated.
@@ -77,20 +78,10 @@ class AbstractGlobalBuffer(eqx.Module, Generic[_B]):
             raise RuntimeError(
                 f"`{call}` needs JAX 0.7 or newer (`jax.shard_map`); this is JAX {jax.__version__}."
             )
-        if not isinstance(mesh, Mesh):
-            raise TypeError(f"`{call}(mesh=...)` must be a `jax.sharding.Mesh`, got {mesh!r}.")
-        if axis is None:
-            if len(mesh.axis_names) != 1:
-                raise ValueError(
-                    f"`{call}`: the mesh has axes {mesh.axis_names}; name the one the shards "
-                    "are split over with `axis=`."
-                )
-            axis = mesh.axis_names[0]
-        if axis not in mesh.axis_names:
-            raise ValueError(f"`{call}(axis={axis!r})`: the mesh has axes {mesh.axis_names}.")
-        self.mesh, self.axis = mesh, str(axis)
+        self.mesh = mesh
+        self.axis = axis = _axis_of(mesh, axis, call)
         if make is not None and shards is None:
-            shards = _make_shards(mesh, self.axis, make)
+            shards = _make_shards(mesh, axis, make)
         elif make is not None or shards is None:
             raise TypeError(f"`{call}`: give exactly one of `make` and `shards`.")
         assert shards is not None
@@ -142,6 +133,24 @@ class AbstractGlobalBuffer(eqx.Module, Generic[_B]):
             local_shards,
         )
         return cls(mesh, shards=shards, axis=template.axis)
+
+    @classmethod
+    def shard_size(cls, mesh: Mesh, total: int, *, axis: str | None = None) -> int:
+        """What one shard holds of `total` (items of a replay, envs of a trajectory buffer)
+        on `mesh`: `total / num_shards`, for `make`.
+
+        **Raises:** `ValueError` at once if the number of shards does not divide `total`.
+        """
+        call = f"{cls.__name__}.shard_size"
+        total = check_positive_int(total, f"{call}(total=...)")
+        axis = _axis_of(mesh, axis, call)
+        shards = mesh.shape[axis]
+        if total % shards:
+            raise ValueError(
+                f"`{call}`: the {shards} shards of mesh axis {axis!r} do not divide {total}; "
+                f"take a multiple of {shards} (such as {total - total % shards or shards})."
+            )
+        return total // shards
 
     @classmethod
     def abstract(
@@ -301,16 +310,26 @@ def _make_shards(mesh: Mesh, axis: str, make: Callable[[], Any]) -> Any:
     return eqx.combine(dynamic, static)
 
 
+def _axis_of(mesh: Mesh, axis: str | None, call: str) -> str:
+    """The mesh axis the shards are split over: `axis`, or the mesh's only one."""
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"`{call}(mesh=...)` must be a `jax.sharding.Mesh`, got {mesh!r}.")
+    if axis is None:
+        if len(mesh.axis_names) != 1:
+            raise ValueError(
+                f"`{call}`: the mesh has axes {mesh.axis_names}; name the one the shards are "
+                "split over with `axis=`."
+            )
+        axis = mesh.axis_names[0]
+    if axis not in mesh.axis_names:
+        raise ValueError(f"`{call}(axis={axis!r})`: the mesh has axes {mesh.axis_names}.")
+    return str(axis)
+
+
 def _stack_shape(mesh: Mesh, axis: str | None, make_or_local: Any, name: str) -> Any:
     """A shape-only stack of `mesh.shape[axis]` shards: from `make`, or from one process's
     stacked shards (whose first shard is the template)."""
-    axis = axis if axis is not None else (mesh.axis_names[0] if len(mesh.axis_names) == 1 else None)
-    if axis is None or axis not in mesh.axis_names:
-        raise ValueError(
-            f"`{name}`: the mesh has axes {mesh.axis_names}; name the one the shards are "
-            "split over with `axis=`."
-        )
-    n = mesh.shape[axis]
+    n = mesh.shape[_axis_of(mesh, axis, name)]
     if callable(make_or_local) and not isinstance(make_or_local, eqx.Module):
         return eqx.filter_eval_shape(_vmap_make, make_or_local, n)
 

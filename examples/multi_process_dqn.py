@@ -153,9 +153,8 @@ def replicated(mesh: Mesh, make: Callable[[], Any]) -> Any:
 
 def init_state(cfg: Config, env: Any, env_params: Any, mesh: Mesh, seed: int) -> TrainState:
     num_shards = mesh.shape[AXIS]
-    replay = dx.GlobalReplay(
-        mesh, lambda: dx.UniformReplay(transition_prototype(), cfg.replay_size // num_shards)
-    )
+    shard_size = dx.GlobalReplay.shard_size(mesh, cfg.replay_size)  # refuses a remainder
+    replay = dx.GlobalReplay(mesh, lambda: dx.UniformReplay(transition_prototype(), shard_size))
 
     def learner():
         k_net, k_learn = jax.random.split(jax.random.fold_in(jax.random.key(seed), 0))

@@ -393,6 +393,7 @@ def errors(out: Path) -> None:
         "a shard must be one of": lambda: dx.GlobalReplay(
             _mesh(), lambda: dx.TrajectoryBuffer(_item(), 2, 4)
         ),
+        f"do not divide {10 * n + 1}": lambda: dx.GlobalReplay.shard_size(_mesh(), 10 * n + 1),
         "the mesh has axes": lambda: dx.GlobalReplay(
             _mesh(), lambda: dx.UniformReplay(_item(), 4), axis="envs"
         ),

@@ -37,8 +37,9 @@ def _free_port() -> int:
 def _launch(out: Path, processes: int, devices: int, checks: list[str]) -> dict[int, str]:
     """Run `checks` in `processes` processes; returns each process's output."""
     port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
+    # The processes inherit the tests' XLA flags (conftest.py: compile fast); each adds its
+    # own device count.
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     command = [sys.executable, "-m", "tests.multi_process", "--processes", str(processes)]
     command += ["--devices", str(devices), "--port", str(port), "--out", str(out)]
     command += ["--checks", ",".join(checks)]
