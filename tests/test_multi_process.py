@@ -3,8 +3,8 @@ of 2 CPU devices each on 127.0.0.1 (the real `jax.distributed` runtime, CPU coll
 gloo), and orbax checkpoints and datasets written by 2 processes read by 1 process of 4
 devices, and the other way round.
 
-Three launches: 2 processes run every check and save; 1 process restores that and saves; 2
-processes restore that. Every launch is bounded in time: a check that fails in one process
+Three launches: 1 process (of 4 devices) saves; 2 processes run every check, restore that and
+save; 1 process restores that. Every launch is bounded in time: a check that fails in one process
 can leave the other waiting in a collective.
 """
 
@@ -73,11 +73,11 @@ SAVE = ["save", "datasets"]
 # One test, not several sharing a fixture: under `pytest -n 2` they could land on both workers,
 # and each would launch the processes.
 def test_global_buffers_across_processes_and_checkpoints_across_topologies(tmp_path):
-    two = _launch(tmp_path, 2, 2, [*RUN_CHECKS, *SAVE])
-    _passed(two, [*RUN_CHECKS, *SAVE])
-    one = _launch(tmp_path, 1, 4, ["restore", *SAVE])  # restores what 2 processes saved
-    _passed(one, ["restore", *SAVE])
-    again = _launch(tmp_path, 2, 2, ["restore"])  # restores what 1 process saved
+    one = _launch(tmp_path, 1, 4, SAVE)
+    _passed(one, SAVE)
+    two = _launch(tmp_path, 2, 2, [*RUN_CHECKS, "restore", *SAVE])  # restores what 1 saved
+    _passed(two, [*RUN_CHECKS, "restore", *SAVE])
+    again = _launch(tmp_path, 1, 4, ["restore"])  # restores what 2 processes saved
     _passed(again, ["restore"])
 
 
