@@ -104,7 +104,13 @@ def _release_when_over_budget():
         _release_memory()
 
 
+# The tests that are one long run of subprocesses: the four-device checks, and the processes of
+# a `jax.distributed` program.
+_FIRST = ("tests/test_sharding.py", "tests/test_multi_process.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Run the four-device checks first: they are one long subprocess (tests/test_sharding.py),
-    which under `pytest -n 2` then overlaps the rest of the suite instead of ending it."""
-    items.sort(key=lambda item: item.nodeid.split("::")[0] != "tests/test_sharding.py")
+    """Run the long subprocess tests first (`_FIRST`, in order): under `pytest -n 2` they then
+    overlap the rest of the suite instead of ending it, one after the other on one worker."""
+    rank = {path: i for i, path in enumerate(_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(_FIRST)))
