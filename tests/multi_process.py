@@ -422,13 +422,13 @@ def errors(out: Path) -> None:
 
 
 def _checkpointed():
-    """Three buffers whose contents are a function of the global shard alone: for each, its
+    """Two buffers whose contents are a function of the global shard alone (items,
+    priorities, generations and counters; windows, their stamps and priorities): for each, its
     class and how to make one shard."""
     dx, eqx, jax, jnp, np = _setup()
     mesh = _mesh()
     window = dx.Window(2, strict=True)
     makers = {
-        "uniform": (dx.GlobalReplay, lambda: dx.UniformReplay(_item(), 8)),
         "prioritised": (dx.GlobalReplay, lambda: dx.PrioritisedReplay(_item(), 8)),
         "windows": (
             dx.GlobalTrajectoryBuffer,
