@@ -13,7 +13,7 @@ from jaxtyping import Array, ArrayLike, PRNGKeyArray, Real
 from ._abstract import AbstractReplay
 from ._checks import check_faults, Fault
 from ._clustered import choose_clusters, ClusteredReplay
-from ._priorities import check_beta, weights
+from ._priorities import check_beta, mass_faults, weights
 from ._prioritised import PrioritisedReplay, PrioritisedSample
 from ._prioritised_trajectory import (
     PrioritisedSequenceSample,
@@ -140,23 +140,12 @@ def sample_prioritised_windows(
                 f"{buffer.window.size} steps from a start on a multiple of period = "
                 f"{buffer.window.period}",
             ),
-            *_mass_faults(total, call, "window"),
+            *mass_faults(total, call, "window"),
             *beta_faults,
         ]
         return check_faults(out, faults, order_reads=False)
 
     return layout.map(shards, local, (key, beta), P())
-
-
-def _mass_faults(total: Array, call: str, items: str) -> list[Fault]:
-    return [
-        (total <= 0, f"`{call}`: every stored {items} has priority 0; none can be drawn"),
-        (
-            ~jnp.isfinite(total),
-            f"`{call}`: the total priority mass sum(priority ** priority_exponent) is not "
-            "finite in the tree's dtype",
-        ),
-    ]
 
 
 class _ItemLaw(NamedTuple):
@@ -199,7 +188,7 @@ def _item_law(replay: AbstractReplay) -> _ItemLaw:
             globalize=lambda out, owner, capacity: out._replace(
                 indices=out.indices + owner * capacity
             ),
-            faults=lambda total, call: _mass_faults(total, call, "item"),
+            faults=lambda total, call: mass_faults(total, call, "item"),
         )
     raise TypeError(
         f"`{_NAME}`: a {type(replay).__name__} inside a ClusteredReplay shard is not supported "

@@ -126,15 +126,20 @@ class Priorities(eqx.Module):
     def sample_faults(self, call: str, items: str) -> list[Fault]:
         """The faults of a draw (after the buffer's own "nothing stored"): every stored item
         has priority 0, or the total mass is not finite. `items` names the items."""
-        total = self.tree.total
-        return [
-            (total <= 0, f"`{call}`: every stored {items} has priority 0; none can be drawn"),
-            (
-                ~jnp.isfinite(total),
-                f"`{call}`: the total priority mass sum(priority ** priority_exponent) is not "
-                "finite in the tree's dtype",
-            ),
-        ]
+        return mass_faults(self.tree.total, call, items)
+
+
+def mass_faults(total: Float[Array, ""], call: str, items: str) -> list[Fault]:
+    """The faults of a draw from a total mass `total` (one tree's, or the sum of several):
+    every stored item has priority 0, or the total is not finite."""
+    return [
+        (total <= 0, f"`{call}`: every stored {items} has priority 0; none can be drawn"),
+        (
+            ~jnp.isfinite(total),
+            f"`{call}`: the total priority mass sum(priority ** priority_exponent) is not "
+            "finite in the tree's dtype",
+        ),
+    ]
 
 
 class HasPriorities(eqx.Module):
