@@ -6,7 +6,7 @@ import equinox as eqx
 import jax
 from jaxtyping import Array, ArrayLike, Bool, Int, Integer, PRNGKeyArray, PyTree, Real, UInt32
 
-from ._checks import check_faults
+from ._faults import check_faults
 from ._streams import check_newest, check_stale, Streams
 
 

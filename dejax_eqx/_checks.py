@@ -11,13 +11,9 @@ internals that never validate again.
 
 import math
 import numbers
-import os
-import sys
-import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any, cast, TypeVar
 
-import equinox as eqx
 import jax
 import jax.core
 import jax.numpy as jnp
@@ -25,19 +21,14 @@ import numpy as np
 from jax.tree_util import keystr, tree_flatten_with_path
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PyTree, UInt32
 
+from ._faults import Fault
+
 
 INT32_MAX = int(np.iinfo(np.int32).max)
 _S = TypeVar("_S", bound=str)
 
 # What a constructor accepts as a prototype item: array-likes, or shape/dtype structs.
 Prototype = PyTree[ArrayLike | jax.ShapeDtypeStruct]
-
-# A data-dependent fault: a boolean (any shape; the fault holds where any entry is True) and the
-# message that reports it.
-Fault = tuple[ArrayLike, str]
-
-# Equinox reads this variable once, when it is imported; so do we (see `check_faults`).
-_ON_ERROR = os.environ.get("EQX_ON_ERROR", "raise")
 
 
 def plural(n: int, one: str, many: str | None = None) -> str:
@@ -48,11 +39,6 @@ def plural(n: int, one: str, many: str | None = None) -> str:
 def leaf_paths(tree: PyTree) -> list[str]:
     """The `keystr` path of every leaf of `tree`, in flattening order."""
     return [keystr(path) for path, _ in tree_flatten_with_path(tree)[0]]
-
-
-def is_concrete(x: Any) -> bool:
-    """Whether `x` holds a value now (not a tracer inside `jit`, `vmap`, `grad`, ...)."""
-    return not isinstance(x, jax.core.Tracer)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -575,60 +561,6 @@ def check_generations(generations: ArrayLike, n: int, call: str) -> UInt32[Array
     return jnp.asarray(generations)
 
 
-def as_options(value: Any, options: dict[str, Any], cls: type[Any], call: str, old: str) -> Any:
-    """`value` if it is a `cls` (an options object such as `dx.Window`) and no `options` came
-    with it. For one release, the old form, `old` (an int and keyword `options`), is turned
-    into `cls(value, **options)` with a `DeprecationWarning`."""
-    name = cls.__name__
-    if isinstance(value, cls):
-        if options:
-            raise TypeError(
-                f"`{call}`: {sorted(options)} are options of the `{name}`; pass them to "
-                f"`dx.{name}(...)`, not here."
-            )
-        return value
-    if isinstance(value, int) and not isinstance(value, bool):
-        warnings.warn(
-            f"`{call}`: {old} is deprecated; pass `dx.{name}({value}, ...)` with the options "
-            "instead (removed in the next release).",
-            DeprecationWarning,
-            stacklevel=4,
-        )
-        return cls(value, **options)
-    raise TypeError(f"`{call}`: expected a `dx.{name}`, got {value!r}.")
-
-
-def deprecated_property(owner: str, old: str, new: str, get: Callable[[Any], Any]) -> property:
-    """A read-only property `old` of class `owner` that warns (`DeprecationWarning`) and returns
-    `get(self)`, what `new` reads now."""
-
-    def read(self: Any) -> Any:
-        warnings.warn(
-            f"`{owner}.{old}` is deprecated; read `{new}` (the same; removed in the next release).",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return get(self)
-
-    return property(read, doc=f"Deprecated: `{new}` under its old name.")
-
-
-def renamed(new_value: Any, old_value: Any, new: str, old: str, call: str) -> Any:
-    """The value of an argument that was renamed from `old` to `new`: `old_value` (with a
-    `DeprecationWarning`) if only the old name was given, else `new_value`."""
-    if old_value is None:
-        return new_value
-    if new_value is not None:
-        raise TypeError(f"`{call}`: pass `{new}` only (`{old}` is its deprecated name).")
-    warnings.warn(
-        f"`{call}({old}=...)` is deprecated; pass `{new}=...` (the same; removed in the next "
-        "release).",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    return old_value
-
-
 def check_index(
     index: ArrayLike,
     bound: int,
@@ -690,99 +622,3 @@ def count_ids(ids: Int[Array, " n"], num: int) -> Int[Array, " num"]:
     entries, which it set to `num`, are not counted). `(counts > 1).any()` flags a repeated id.
     O(len(ids) + num)."""
     return jnp.zeros(num, jnp.int32).at[ids].add(1, mode="drop")
-
-
-# ---------------------------------------------------------------------------------------------
-# Data-dependent faults
-
-
-# Frames of these packages are never the user's call.
-_LIBRARY_MODULES = ("dejax_eqx", "jax", "jaxlib", "equinox", "jaxtyping", "beartype")
-
-
-def _call_site() -> str | None:
-    """`file:line in function` of the innermost frame outside the library and JAX."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        module = frame.f_globals.get("__name__", "")
-        if module.split(".")[0] not in _LIBRARY_MODULES and not module.startswith(
-            ("functools", "contextlib")
-        ):
-            code = frame.f_code
-            return f"{os.path.basename(code.co_filename)}:{frame.f_lineno} in {code.co_name}"
-        frame = frame.f_back
-    return None
-
-
-def _poison(x: Array) -> Array:
-    """What `EQX_ON_ERROR=nan` makes of a faulty output `x`."""
-    if jnp.issubdtype(x.dtype, jnp.inexact):
-        return jnp.full_like(x, jnp.nan)
-    if jnp.issubdtype(x.dtype, jnp.integer):
-        return jnp.full_like(x, jnp.iinfo(x.dtype).max)
-    if x.dtype == jnp.bool_:
-        return jnp.ones_like(x)
-    return x
-
-
-def check_faults(x: PyTree, faults: Sequence[Fault], *, order_reads: bool = True) -> PyTree:
-    """Return `x`, after raising the message of the first fault that holds.
-
-    The one runtime check of the library: every data-dependent fault of every buffer goes
-    through here, each as `(condition, message)`. A message starts with the call it is about.
-
-    - Eagerly (the conditions are concrete), the conditions are read at once and
-        `equinox.EquinoxRuntimeError` is raised from the caller's own line: its traceback
-        is the user's call, nothing else.
-    - Traced (`jit`, `vmap`, `scan`, `shard_map`), one `eqx.branched_error_if` holds them all:
-        one conditional in the compiled program however many faults there are. Under `vmap`
-        a fault in any lane raises, with the message of a faulty lane.
-        The check guards a token, which then passes `x` through a conditional: unlike
-        guarding `x` itself, this passes `shard_map`'s check of varying manual axes (the
-        error branch's callback output is never varying). Each message gains the line of
-        the user's code that called the library, `(called at FILE:LINE in FUNCTION)`.
-
-    `x` must be what the operation's result is built from, so that the check cannot be
-    removed as dead code: small outputs (a sampled batch, counters, the indices a scatter
-    writes), never a whole storage array, which a conditional could copy.
-
-    `order_reads=False` is for a result that is handed to the caller and that no write of the
-    operation reads (a sampled batch): it then passes through a `where` on the token, which
-    fuses into the batch's own gather, rather than through the conditional, whose result
-    is a copy of the batch (23.82 µs per 256 sampled items of 131 floats from a 1M replay on
-    CPU). Inputs to a write keep the conditional (see below).
-
-    `EQX_ON_ERROR` is honoured: `nan` poisons `x` (NaN for floats, the largest value for
-    integers, `True` for bools) where a fault holds, `off` skips the checks.
-    """
-    if not faults or _ON_ERROR == "off":
-        return x
-    preds = [jnp.any(jnp.asarray(pred)) for pred, _ in faults]
-    messages = [msg for _, msg in faults]
-    if all(is_concrete(p) for p in preds) and _ON_ERROR == "raise":
-        for pred, msg in zip(preds, messages):
-            if bool(pred):
-                raise eqx.EquinoxRuntimeError(msg)
-        return x
-    # The caller's line goes into the messages: under plain `jax.jit` it is the only pointer to
-    # the failing call inside the user's function. It also keys Equinox's cache of traced checks
-    # by call site, whose "stack inside JIT" would otherwise be that of the first call with the
-    # same messages and shapes.
-    site = _call_site()
-    if site is not None:
-        messages = [f"{msg}\n  (called at {site})" for msg in messages]
-    pred = jnp.stack(preds)
-    # argmax of booleans: the first fault that holds, and 0 (the smallest, which loses to any
-    # faulty lane under vmap's maximum) where none does. With one fault the index is a Python
-    # int: under vmap over a sharded batch a traced one costs a second cross-device reduction.
-    index = jnp.argmax(pred) if len(preds) > 1 else 0
-    token = eqx.branched_error_if(jnp.zeros((), jnp.bool_), jnp.any(pred), index, messages)
-    # A conditional, not a `where`: its operands are computed before it and its result after,
-    # which orders the reads of a buffer that feed `x` before the writes that use `x` (with a
-    # `where` fused into a scatter, XLA copies the buffer instead of updating it in place).
-    arrays, rest = eqx.partition(x, eqx.is_array)
-    if order_reads:
-        arrays = jax.lax.cond(token, lambda a: jax.tree.map(_poison, a), lambda a: a, arrays)
-    else:
-        arrays = jax.tree.map(lambda a: jnp.where(token, _poison(a), a), arrays)
-    return eqx.combine(arrays, rest)

@@ -8,7 +8,6 @@ from jaxtyping import Array, ArrayLike, Bool, Int, Integer, PRNGKeyArray, PyTree
 
 from ._abstract import AbstractPrioritisedReplay, AbstractReplay
 from ._checks import (
-    check_faults,
     check_finite_float,
     check_fn_output,
     check_generations,
@@ -19,10 +18,10 @@ from ._checks import (
     check_positive_int,
     check_vector,
     INT32_MAX,
-    is_concrete,
     plural,
-    renamed,
 )
+from ._deprecated import renamed
+from ._faults import check_faults, is_concrete
 from ._storage import check_batch
 
 

@@ -41,7 +41,6 @@ from ._checks import (
     check_positive_int,
     check_sequences,
     INT32_MAX,
-    is_concrete,
     Prototype,
 )
 from ._dataset_files import (
@@ -55,6 +54,7 @@ from ._dataset_files import (
     TIME_AXIS,
     Writer,
 )
+from ._faults import is_concrete
 from ._prioritised_trajectory import PrioritisedTrajectoryBuffer
 from ._rate_limiter import RateLimited
 from ._sequences import draw_whole_windows, whole_windows

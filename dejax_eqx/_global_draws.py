@@ -11,8 +11,8 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, ArrayLike, PRNGKeyArray, Real
 
 from ._abstract import AbstractReplay
-from ._checks import check_faults, Fault
 from ._clustered import choose_clusters, ClusteredReplay
+from ._faults import check_faults, Fault
 from ._priorities import check_beta, mass_faults, weights
 from ._prioritised import PrioritisedReplay, PrioritisedSample
 from ._prioritised_trajectory import (

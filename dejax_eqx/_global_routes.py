@@ -11,8 +11,9 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, ArrayLike, Bool, Integer, Real, UInt32
 
 from ._abstract import AbstractTrajectoryBuffer
-from ._checks import check_faults, check_generations, check_index, check_vector, Fault
+from ._checks import check_generations, check_index, check_vector
 from ._clustered import ClusteredReplay
+from ._faults import check_faults, Fault
 from ._prioritised import PrioritisedReplay
 from ._prioritised_trajectory import PrioritisedTrajectoryBuffer
 from ._sequences import is_window

@@ -13,8 +13,9 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import Array, ArrayLike, Bool, Int, Integer, PRNGKeyArray, PyTree, Real
 
-from ._checks import check_faults, check_positive_int, plural
+from ._checks import check_positive_int, plural
 from ._dataset import Dataset
+from ._faults import check_faults
 from ._global import AbstractGlobalBuffer
 from ._global_draws import sample_prioritised_windows, sample_windows
 from ._global_routes import set_window_priorities, stale_windows

@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree, Shaped
 
-from ._checks import as_options, check_leaf, check_positive_int, LeafName, pick_leaf
+from ._checks import check_leaf, check_positive_int, LeafName, pick_leaf
+from ._deprecated import as_options
 from ._sequences import draw_starts, Law
 from ._streams import gather_at, Streams, window_slots
 

@@ -13,14 +13,13 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int, Integer, PRNGKeyArray,
 from ._checks import (
     as_float,
     check_bool,
-    check_faults,
     check_finite_float,
     check_float_dtype,
     check_nonnegative_float,
     check_positive_int,
     check_real_scalar,
-    Fault,
 )
+from ._faults import check_faults, Fault
 from ._sum_tree import draw_leaves, set_leaves, SumTree
 
 

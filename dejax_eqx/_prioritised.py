@@ -22,7 +22,6 @@ from jaxtyping import (
 from ._abstract import AbstractPrioritisedReplay
 from ._checks import (
     as_prototype,
-    check_faults,
     check_fn_output,
     check_generations,
     check_index,
@@ -32,8 +31,9 @@ from ._checks import (
     check_real_scalar,
     check_vector,
     Prototype,
-    renamed,
 )
+from ._deprecated import renamed
+from ._faults import check_faults
 from ._priorities import check_beta, HasPriorities, Priorities
 from ._staleness import AgedSample, draw_items_by_age, PolicyAge
 from ._storage import (

@@ -13,16 +13,15 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int, Integer, PRNGKeyArray,
 from ._abstract import AbstractTrajectoryBuffer
 from ._checks import (
     as_float,
-    check_faults,
     check_index,
     check_mask,
     check_positive_int,
     check_real_scalar,
     check_vector,
-    deprecated_property,
-    Fault,
     Prototype,
 )
+from ._deprecated import deprecated_property
+from ._faults import check_faults, Fault
 from ._priorities import check_beta, HasPriorities, Priorities, weights
 from ._sequences import (
     count_starts,

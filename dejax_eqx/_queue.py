@@ -7,7 +7,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Int, Integer, PyTree, Shaped
 
 from ._abstract import AbstractTrajectoryBuffer
-from ._checks import check_faults, check_positive_int, plural, Prototype
+from ._checks import check_positive_int, plural, Prototype
+from ._faults import check_faults
 from ._streams import Appended, check_append, gather_steps, grow, make_streams, Streams
 
 

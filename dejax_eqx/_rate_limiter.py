@@ -16,15 +16,9 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Int, Integer, PRNGKeyArray, PyTree, UInt32
 
 from ._abstract import AbstractPrioritisedReplay, AbstractReplay, AbstractTrajectoryBuffer
-from ._checks import (
-    check_faults,
-    check_index,
-    check_nonnegative_int,
-    check_positive_int,
-    Fault,
-    is_concrete,
-)
+from ._checks import check_index, check_nonnegative_int, check_positive_int
 from ._clustered import ClusteredReplay
+from ._faults import check_faults, Fault, is_concrete
 from ._int64 import (
     add_constant,
     add_product,

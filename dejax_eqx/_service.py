@@ -20,13 +20,7 @@ import numpy as np
 from jaxtyping import PRNGKeyArray, PyTree
 
 from ._abstract import AbstractReplay, AbstractTrajectoryBuffer
-from ._checks import (
-    check_bool,
-    check_choice,
-    check_nonnegative_float,
-    check_positive_int,
-    plural,
-)
+from ._checks import check_bool, check_choice, check_nonnegative_float, check_positive_int, plural
 from ._queue import TrajectoryQueue
 from ._rate_limiter import RateLimited
 from ._rates import Rate

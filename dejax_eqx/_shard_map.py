@@ -15,7 +15,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Bool, Int, PRNGKeyArray, PyTree
 
-from ._checks import is_concrete
+from ._faults import is_concrete
 
 
 class Layout(NamedTuple):

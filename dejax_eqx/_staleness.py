@@ -17,15 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, Integer, PRNGKeyArray, PyTree, UInt32
 
-from ._checks import (
-    check_faults,
-    check_index,
-    check_index_fn,
-    check_nonnegative_int,
-    Fault,
-    INT32_MAX,
-    spec_of,
-)
+from ._checks import check_index, check_index_fn, check_nonnegative_int, INT32_MAX, spec_of
+from ._faults import check_faults, Fault
 from ._priorities import Priorities
 from ._storage import CircularBuffer, stored_mask
 from ._streams import step_backs, Streams

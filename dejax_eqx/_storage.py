@@ -9,7 +9,6 @@ from jaxtyping import Array, ArrayLike, Bool, Int, Integer, PyTree, Shaped
 
 from ._checks import (
     as_prototype,
-    check_faults,
     check_fn_output,
     check_index,
     check_items,
@@ -18,6 +17,7 @@ from ._checks import (
     Prototype,
     spec_of,
 )
+from ._faults import check_faults
 
 
 _CB = TypeVar("_CB", bound="CircularBuffer")

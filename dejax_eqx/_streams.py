@@ -12,17 +12,16 @@ from jaxtyping import Array, ArrayLike, Bool, Int, Integer, PyTree, Shaped
 
 from ._checks import (
     as_prototype,
-    check_faults,
     check_index,
     check_items,
     check_positive_int,
     check_sequences,
     count_ids,
-    Fault,
     INT32_MAX,
     Prototype,
     spec_of,
 )
+from ._faults import check_faults, Fault
 from ._storage import ring_add, ring_sub
 
 

@@ -9,13 +9,13 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int, Integer, Real
 
 from ._checks import (
     as_float,
-    check_faults,
     check_float_dtype,
     check_index,
     check_mask,
     check_positive_int,
     check_vector,
 )
+from ._faults import check_faults
 
 
 _T = TypeVar("_T", bound="SumTree")

@@ -12,13 +12,12 @@ from ._abstract import AbstractTrajectoryBuffer
 from ._checks import (
     as_float,
     check_choice,
-    check_faults,
     check_nonnegative_int,
     check_positive_int,
     check_real_scalar,
-    Fault,
     Prototype,
 )
+from ._faults import check_faults, Fault
 from ._nstep import as_nstep, draw_transitions, NStep, Transitions
 from ._sequences import admissible, draw_starts, phase, start_log_weights
 from ._staleness import AgedSample, draw_by_age, PolicyAge, read_step_ages

@@ -7,14 +7,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Int, PRNGKeyArray, PyTree, Shaped
 
 from ._abstract import AbstractReplay
-from ._checks import (
-    as_prototype,
-    check_faults,
-    check_fn_output,
-    check_items,
-    check_positive_int,
-    Prototype,
-)
+from ._checks import as_prototype, check_fn_output, check_items, check_positive_int, Prototype
+from ._faults import check_faults
 from ._staleness import AgedSample, draw_items_by_age, PolicyAge
 from ._storage import (
     apply,

@@ -12,7 +12,6 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int, PyTree, Shaped
 
 from ._checks import (
-    as_options,
     check_bool,
     check_choice,
     check_leaf,
@@ -21,6 +20,7 @@ from ._checks import (
     LeafName,
     pick_leaf,
 )
+from ._deprecated import as_options
 from ._sequences import Law
 from ._streams import gather_steps, Streams
 

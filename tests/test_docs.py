@@ -404,9 +404,9 @@ def test_every_fault_message_is_collected(monkeypatch):
     # The extractor's rule for the faults' messages, held against what really reaches
     # `check_faults`: every function that calls it runs here, and every message it is given is
     # one the extractor found as a runtime message (so the table in docs/errors.md lists it).
-    from dejax_eqx import _checks
+    from dejax_eqx import _faults
 
-    original = _checks.check_faults
+    original = _faults.check_faults
     calls: list[tuple[tuple[str, str], str]] = []
 
     def recording(x, faults, **options):

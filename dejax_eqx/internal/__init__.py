@@ -8,7 +8,6 @@ doors, under the names they have in the package. A layer over dejax_eqx imports 
 
 from .._checks import (
     as_float as as_float,
-    check_faults as check_faults,
     check_finite_float as check_finite_float,
     check_index as check_index,
     check_items as check_items,
@@ -16,10 +15,9 @@ from .._checks import (
     check_positive_int as check_positive_int,
     check_sequences as check_sequences,
     check_vector as check_vector,
-    Fault as Fault,
-    is_concrete as is_concrete,
     Prototype as Prototype,
 )
+from .._faults import check_faults as check_faults, Fault as Fault, is_concrete as is_concrete
 from .._priorities import Priorities as Priorities, priority_mass as priority_mass
 from .._prioritised_trajectory import stamps_of as stamps_of
 from .._queue import extend_queue as extend_queue, pop_queue as pop_queue
