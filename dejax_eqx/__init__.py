@@ -6,6 +6,7 @@ from ._abstract import (
     AbstractPrioritisedReplay as AbstractPrioritisedReplay,
     AbstractReplay as AbstractReplay,
     AbstractTrajectoryBuffer as AbstractTrajectoryBuffer,
+    WindowPriorities as WindowPriorities,
 )
 from ._clustered import ClusteredReplay as ClusteredReplay
 from ._dataset import Dataset as Dataset
@@ -14,6 +15,7 @@ from ._global_replay import GlobalReplay as GlobalReplay
 from ._global_trajectories import GlobalTrajectoryBuffer as GlobalTrajectoryBuffer
 from ._io import load as load, save as save
 from ._nstep import NStep as NStep, Transitions as Transitions
+from ._policy_age import AgedSample as AgedSample, PolicyAge as PolicyAge
 from ._priorities import (
     importance_weights as importance_weights,
     sequence_priorities as sequence_priorities,
@@ -25,17 +27,20 @@ from ._prioritised import (
 from ._prioritised_trajectory import (
     PrioritisedSequenceSample as PrioritisedSequenceSample,
     PrioritisedTrajectoryBuffer as PrioritisedTrajectoryBuffer,
-    WindowMasses as WindowMasses,
 )
 from ._queue import TrajectoryQueue as TrajectoryQueue
-from ._rate_limiter import RateLimited as RateLimited, RateLimiter as RateLimiter
+from ._rate_limited import (
+    RateLimited as RateLimited,
+    RateLimitedReplay as RateLimitedReplay,
+    RateLimitedTrajectoryBuffer as RateLimitedTrajectoryBuffer,
+)
+from ._rate_limiter import RateLimiter as RateLimiter
 from ._service import (
     RateLimitTimeout as RateLimitTimeout,
     ReplayService as ReplayService,
     ServiceClosed as ServiceClosed,
     WaitCannotEnd as WaitCannotEnd,
 )
-from ._staleness import AgedSample as AgedSample, PolicyAge as PolicyAge
 from ._storage import CircularBuffer as CircularBuffer
 from ._streams import Streams as Streams
 from ._sum_tree import SumTree as SumTree

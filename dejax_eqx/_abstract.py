@@ -1,27 +1,76 @@
 import abc
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, NamedTuple, TypeVar
 
 import equinox as eqx
 import jax
-from jaxtyping import Array, ArrayLike, Bool, Int, Integer, PRNGKeyArray, PyTree, Real, UInt32
+import jax.numpy as jnp
+from jaxtyping import (
+    Array,
+    ArrayLike,
+    Bool,
+    Float,
+    Int,
+    Integer,
+    PRNGKeyArray,
+    PyTree,
+    Real,
+    UInt32,
+)
 
-from ._faults import check_faults
+from ._checks import check_positive_int
+from ._faults import check_faults, Fault
+from ._laws import AbstractLaw, draw_from, sample_with, split_union
+from ._nstep import NStep
+from ._policy_age import PolicyAge
 from ._streams import check_newest, check_stale, Streams
+from ._windows import Window
 
 
 _R = TypeVar("_R", bound="AbstractReplay")
 _PR = TypeVar("_PR", bound="AbstractPrioritisedReplay")
 _T = TypeVar("_T", bound="AbstractTrajectoryBuffer")
 
+Source = Literal["replay", "online"]
+
+
+class WindowPriorities(NamedTuple):
+    """The priorities of the windows a buffer holds, as `window_priorities` gives them.
+
+    **Fields:**
+
+    - `start`, `held`, `mass`: per sum-tree leaf, each of shape `(num_envs,
+        leaves_per_env)`: the start of the window it holds (or held last, or a negative
+        number if none yet), whether that window is held (stored whole), and the leaf's mass
+        (`priority ** priority_exponent`; 0 unless held).
+    - `max_priority`: the largest priority recorded, a scalar.
+    """
+
+    start: Int[Array, "num_envs leaves"]
+    held: Bool[Array, "num_envs leaves"]
+    mass: Float[Array, "num_envs leaves"]
+    max_priority: Float[Array, ""]
+
+
+# What names the items of a replay's sample, for the calls that take them back: storage slots
+# (`PrioritisedReplay`), or cluster ids and slots within a cluster (`ClusteredReplay`).
+Indices = Integer[ArrayLike, " n"] | tuple[Integer[ArrayLike, " n"], Integer[ArrayLike, " n"]]
+
 
 class AbstractReplay(eqx.Module):
-    """The surface every replay buffer shares.
+    """The surface every replay buffer shares, and the law every layer draws it by.
 
     A replay stores items (pytrees of arrays with the prototype's structure, shapes and dtypes)
     up to a fixed capacity and samples batches of them. It is an immutable `eqx.Module`: every
     method returns a new replay, and under `eqx.filter_jit(donate="all")` that copy is an
     in-place update.
+
+    Each replay states how it draws through `law`: an `AbstractLaw` that says what can be
+    drawn, with what weight, how a row is read and named. `sample` evaluates it over the
+    replay; the layers evaluate the same law over a union of replays (a `GlobalReplay`'s
+    shards, a `ClusteredReplay`'s clusters) and reweigh it by policy age. So a replay type
+    added later is sampled, clustered, aged, spread over processes, rate-limited and served by
+    implementing these methods, with no change to the layers.
 
     Concrete replays (`UniformReplay`, ...) are final: they are not meant to be subclassed.
     New behaviour comes by composition (`ClusteredReplay` wraps any `AbstractReplay`).
@@ -44,6 +93,13 @@ class AbstractReplay(eqx.Module):
 
         Known at trace time. Wrappers (`ClusteredReplay`) check their items against it.
         """
+
+    @property
+    def layered(self) -> bool:
+        """Whether this is a layer that keeps state of its own over other buffers (a global
+        buffer, a rate-limited one): such a buffer cannot be a shard or a cluster, whose
+        copies would each keep that state. `False` for a buffer."""
+        return False
 
     @abc.abstractmethod
     def add(self: _R, item: PyTree[ArrayLike]) -> _R:
@@ -80,28 +136,60 @@ class AbstractReplay(eqx.Module):
         """
 
     @abc.abstractmethod
-    def sample(self, key: PRNGKeyArray, batch_size: int) -> Any:
-        """Draw `batch_size` stored items at random, with replacement.
+    def law(
+        self,
+        *,
+        age: PolicyAge | None = None,
+        beta: Real[ArrayLike, ""] | None = None,
+        call: str = "",
+    ) -> tuple[AbstractLaw, list[Fault]]:
+        """How this replay draws: the law that `sample` evaluates over the replay, and that
+        the layers evaluate over a union of replays of its configuration. Checks the
+        arguments (as `sample` documents them) and returns the law and the faults of the
+        arguments' values, each message quoting `call`.
+        """
+
+    def sample(
+        self,
+        key: PRNGKeyArray,
+        batch_size: int,
+        *,
+        age: PolicyAge | None = None,
+        beta: Real[ArrayLike, ""] | None = None,
+    ) -> Any:
+        """Draw `batch_size` stored items at random, with replacement, by the replay's law.
 
         **Arguments:**
 
         - `key`: a JAX PRNG key. It is used, never stored.
         - `batch_size`: a positive Python int (static: each value compiles once).
+        - `age`: a `PolicyAge`: draw only among the items young enough, reweighed by age
+            (see `PolicyAge`); the sample is then an `AgedSample`. O(max_size) per call, where
+            a plain sample is O(batch_size) (O(batch_size · log max_size) prioritised).
+        - `beta`: the importance-weight exponent `β >= 0` (may be traced; default 1) of the
+            weights an aged sample returns. Only with `age`: a plain prioritised sample
+            returns probabilities, for `importance_weights`.
 
         **Returns:** the sampled items, each leaf with a leading `batch_size` axis (replays
-        that return more than items document their own result type).
+        that return more than items document their own result type), or an `AgedSample`.
 
-        **Raises:** an `eqx.error_if` error if the replay is empty.
+        **Raises:** `ValueError`/`TypeError` at once for bad static arguments; an
+        `eqx.error_if` error if nothing can be drawn (an empty replay), and for the faults of
+        each replay's law and of `age`.
         """
+        call = f"{type(self).__name__}.sample"
+        batch_size = check_positive_int(batch_size, f"{call}(batch_size=...)")
+        law, faults = self.law(age=age, beta=beta, call=call)
+        return sample_with(law, self, key, batch_size, faults, call)
 
-    @abc.abstractmethod
     def sample_unchecked(self, key: PRNGKeyArray, batch_size: int) -> Any:
         """`sample` without its run-time checks; `batch_size` must be a positive Python int.
 
-        For wrappers such as `ClusteredReplay`, which draw from every wrapped replay at once
-        (empty ones included) and keep only the rows they need. On an empty replay the result
-        has the right structure, shapes and dtypes but meaningless values, and nothing raises.
+        On an empty replay the result has the right structure, shapes and dtypes but
+        meaningless values, and nothing raises.
         """
+        law, _ = self.law(call=f"{type(self).__name__}.sample_unchecked")
+        return draw_from(law, self, key, batch_size)[0]
 
     @abc.abstractmethod
     def update(self: _R, fn: Callable[[PyTree[Array]], PyTree[Array]]) -> _R:
@@ -110,6 +198,29 @@ class AbstractReplay(eqx.Module):
         `fn` is vectorised over the stored items and must keep each item's structure, shapes
         and dtypes (checked at trace time).
         """
+
+    # --- shards: where the layers that count per shard keep their counts ------------------
+
+    @property
+    def num_shards(self) -> int:
+        """How many shards the buffer is split into: 1 (a global buffer has one per device
+        of its mesh axis). A layer that counts per shard (`RateLimited`) keeps one count per
+        shard, where the shard is."""
+        return 1
+
+    def place_shards(self, x: Array) -> Array:
+        """`x`, one row per shard, placed where the shards are (as it is, for one shard)."""
+        return x
+
+    def map_shards(self, fn: Callable[..., Any], per_shard: Any, shared: Any) -> Any:
+        """`fn(rows, shared, axis, num_shards) -> (rows, shared)` on each shard, where it is:
+        `per_shard` has one row per shard (leading axis `num_shards`, as `place_shards`
+        places it) and `fn` gets this shard's; `shared` is the same everywhere; `axis` names
+        the mesh axis of the shards for collectives inside `fn` (`None` for one shard). The
+        rows `fn` returns keep a leading axis of 1, the `shared` it returns must be the same
+        in every shard."""
+        rows = jax.tree.map(lambda x: x[0], per_shard)
+        return fn(rows, shared, None, 1)
 
     def add_and_sample(
         self: _R, items: PyTree[ArrayLike], key: PRNGKeyArray, batch_size: int
@@ -120,6 +231,63 @@ class AbstractReplay(eqx.Module):
         """
         replay = self.add_batch(items)
         return replay, replay.sample(key, batch_size)
+
+    # --- names: what a sample's `indices` are, for the calls that take them back -------------
+
+    def split_indices(self, indices: Indices) -> tuple[Int[Array, " n"], Any]:
+        """For indices into a union of replays of this configuration (a `GlobalReplay`'s
+        shards, where shard `k`'s index `i` is `k · max_size + i`): the replay of each entry,
+        and its index in that replay. How a layer routes `set_priorities` and `stale` to the
+        replay that owns each entry. `indices` are in range (checked by the caller)."""
+        assert not isinstance(indices, tuple)
+        return split_union(jnp.asarray(indices), self.max_size)
+
+    def set_priorities(
+        self: _R,
+        indices: Indices,
+        priorities: Real[ArrayLike, " n"],
+        *,
+        mask: Bool[ArrayLike, " n"] | None = None,
+        generations: UInt32[ArrayLike, " n"] | None = None,
+    ) -> _R:
+        """Set the priorities of the sampled items named by `indices` (a prioritised replay's:
+        see `AbstractPrioritisedReplay.set_priorities`).
+
+        **Raises:** `TypeError` at once for a replay without priorities.
+        """
+        raise TypeError(
+            f"`{type(self).__name__}.set_priorities`: a {type(self).__name__} has no priorities."
+        )
+
+    def note_priorities(
+        self: _R,
+        indices: Indices,
+        priorities: Real[ArrayLike, " n"],
+        *,
+        mask: Bool[ArrayLike, " n"] | None = None,
+    ) -> _R:
+        """The replay with `max_priority` raised as `set_priorities(indices, priorities,
+        mask=mask)` would raise it, and nothing set: for a layer that sets each entry on the
+        replay that owns it and keeps every replay's largest priority equal (a
+        `GlobalReplay`). The entries are checked by the call that sets them. A replay
+        without priorities is returned as it is."""
+        return self
+
+    def stale(
+        self,
+        indices: Indices,
+        generations: UInt32[ArrayLike, " n"],
+        *,
+        mask: Bool[ArrayLike, " n"] | None = None,
+    ) -> Bool[Array, " n"]:
+        """Which sampled items have been written since they were sampled (a prioritised
+        replay's: see `PrioritisedReplay.stale`).
+
+        **Raises:** `TypeError` at once for a replay without write generations.
+        """
+        raise TypeError(
+            f"`{type(self).__name__}.stale`: a {type(self).__name__} keeps no write generations."
+        )
 
 
 class AbstractPrioritisedReplay(AbstractReplay):
@@ -133,12 +301,11 @@ class AbstractPrioritisedReplay(AbstractReplay):
     @abc.abstractmethod
     def set_priorities(
         self: _PR,
-        indices: Integer[ArrayLike, " n"],
+        indices: Indices,
         priorities: Real[ArrayLike, " n"],
         *,
         mask: Bool[ArrayLike, " n"] | None = None,
         generations: UInt32[ArrayLike, " n"] | None = None,
-        stamps: UInt32[ArrayLike, " n"] | None = None,
     ) -> _PR:
         """Set the priorities of the items in slots `indices`.
 
@@ -156,7 +323,6 @@ class AbstractPrioritisedReplay(AbstractReplay):
             sample the indices came from: an entry whose slot has been written since that
             sample is ignored (it would give a new item the priority computed for the old one).
             `stale(indices, generations)` tells which entries those are.
-        - `stamps`: the deprecated name of `generations` (removed in the next release).
 
         **Returns:** the new replay.
 
@@ -215,6 +381,13 @@ class AbstractTrajectoryBuffer(eqx.Module):
         """Each env's write cursor: the slot its next step goes to, `step_count mod
         max_length`, an int32 array of shape `(num_envs,)`."""
         return self.streams.head
+
+    @property
+    def layered(self) -> bool:
+        """Whether this is a layer that keeps state of its own over other buffers (a global
+        buffer, a rate-limited one): such a buffer cannot be a shard or a cluster, whose
+        copies would each keep that state. `False` for a buffer."""
+        return False
 
     @abc.abstractmethod
     def add(
@@ -278,7 +451,12 @@ class AbstractTrajectoryBuffer(eqx.Module):
         **Raises:** `ValueError` at once if `streams` has another configuration.
         """
 
-    def peek(self, env_ids: Integer[ArrayLike, "*n"] | None = None) -> PyTree[Array]:
+    def peek(
+        self,
+        env_ids: Integer[ArrayLike, "*n"] | None = None,
+        *,
+        mask: Bool[ArrayLike, "*n"] | None = None,
+    ) -> PyTree[Array]:
         """The newest step of each listed env.
 
         Useful in an actor loop, e.g. to read the latest observation of the envs that were
@@ -288,6 +466,8 @@ class AbstractTrajectoryBuffer(eqx.Module):
 
         - `env_ids`: an integer array of env ids in `[0, num_envs)`, of any shape (a scalar
             gives one step); repeats are allowed. `None` (the default) means every env.
+        - `mask`: optional boolean array of the shape of `env_ids`: only the entries where it
+            is `True` are checked (the steps of the others are meaningless).
 
         **Returns:** the steps, each leaf with the shape of `env_ids` in front of the
         prototype's shape.
@@ -295,10 +475,15 @@ class AbstractTrajectoryBuffer(eqx.Module):
         **Raises:** an `eqx.error_if` error if an env id is out of range or a listed env has
         no stored step.
         """
-        return check_faults(*check_newest(self.streams, env_ids, f"{type(self).__name__}.peek"))
+        call = f"{type(self).__name__}.peek"
+        return check_faults(*check_newest(self.streams, env_ids, call, mask=mask))
 
     def stale(
-        self, env_ids: Integer[ArrayLike, "*n"], starts: Integer[ArrayLike, "*n"]
+        self,
+        env_ids: Integer[ArrayLike, "*n"],
+        starts: Integer[ArrayLike, "*n"],
+        *,
+        mask: Bool[ArrayLike, "*n"] | None = None,
     ) -> Bool[Array, "*n"]:
         """Whether the windows named by stamps `(env, start)` have lost steps since.
 
@@ -312,6 +497,8 @@ class AbstractTrajectoryBuffer(eqx.Module):
         - `env_ids`: an integer array of env ids in `[0, num_envs)`, of any shape.
         - `starts`: an integer array of the same shape: absolute step numbers, as
             `SequenceSample.start` and `Transitions.start` give them.
+        - `mask`: optional boolean array of the same shape: only the entries where it is
+            `True` are checked and answered (the others answer `False`).
 
         **Returns:** a boolean array of the shape of `env_ids`.
 
@@ -320,7 +507,226 @@ class AbstractTrajectoryBuffer(eqx.Module):
         not a step its env has taken (negative, or at least its `step_count`).
         """
         call = f"{type(self).__name__}.stale"
-        return check_faults(*check_stale(self.streams, env_ids, starts, call))
+        return check_faults(*check_stale(self.streams, env_ids, starts, call, mask=mask))
+
+    # --- the law: how this buffer draws, for `sample` and for every layer ---------------------
+
+    def law(
+        self,
+        what: Window | NStep | None = None,
+        *,
+        distribution_power: Real[ArrayLike, ""] | None = None,
+        source: Source | Mapping[Source, int] | None = None,
+        discount: Real[ArrayLike, ""] | None = None,
+        beta: Real[ArrayLike, ""] | None = None,
+        age: PolicyAge | None = None,
+        call: str = "",
+    ) -> tuple[AbstractLaw, list[Fault]]:
+        """How this buffer draws `what` (with the options `sample` documents): the law that
+        `sample` evaluates over the buffer, and that the layers evaluate over a union of
+        buffers of its configuration (a `GlobalTrajectoryBuffer`'s shards). Checks the
+        arguments, and returns the law and the faults of their values, each message quoting
+        `call`.
+
+        **Raises:** `TypeError` at once for a buffer that is not sampled (a `TrajectoryQueue`
+        is read with `pop`).
+        """
+        name = type(self).__name__
+        raise TypeError(
+            f"`{call or name + '.sample'}`: a {name} is not sampled; read it with `pop`."
+        )
+
+    def sample(
+        self,
+        key: PRNGKeyArray,
+        batch_size: int,
+        what: Window | NStep | None = None,
+        *,
+        distribution_power: Real[ArrayLike, ""] | None = None,
+        source: Source | Mapping[Source, int] | None = None,
+        discount: Real[ArrayLike, ""] | None = None,
+        beta: Real[ArrayLike, ""] | None = None,
+        age: PolicyAge | None = None,
+    ) -> Any:
+        """Draw `batch_size` rows, with replacement, by this buffer's law for `what`.
+
+        **Arguments:**
+
+        - `key`: a JAX PRNG key. It is used, never stored.
+        - `batch_size`: the number of rows, a positive Python int (static).
+        - `what`: what a row is: a `Window` (static) for windows, as a `SequenceSample`; an
+            `NStep` (static) for n-step transitions, as `Transitions`. A prioritised buffer
+            draws its own window (`None`, or a `Window` of the same parts that masks
+            episode ends otherwise).
+        - `distribution_power`: windows of a `TrajectoryBuffer`: a start whose window holds
+            `r` real steps weighs `r ** distribution_power` (default 1.0; 0.0 makes every
+            admissible start equally likely; no effect with a strict window). A finite real
+            scalar; traced (pass a JAX array to change it without recompiling).
+        - `source`: a `TrajectoryBuffer`'s windows to draw from: `"replay"` (every stored
+            step, the default) or `"online"` (the online queue), or a mapping of both to the
+            number of rows each gives, in that order, which must add up to `batch_size`
+            (`{"replay": 24, "online": 8}`: a source of 0 rows is not drawn from, and may be
+            empty).
+        - `discount`: for an `NStep`, the per-step discount, a real scalar in `[0, 1]`
+            (traced).
+        - `beta`: the importance-weight exponent `β >= 0` (traced; default 1) of the weights
+            a prioritised sample or an aged sample returns.
+        - `age`: a `PolicyAge`: draw only among the rows young enough (a window is as old as
+            its first step), reweighed by age; the sample is then an `AgedSample` of the rows.
+            O(num_envs · max_length) per call.
+
+        **Returns:** what the buffer's law gives: a `SequenceSample`, `Transitions`, a
+        `PrioritisedSequenceSample`, or an `AgedSample` of one of those.
+
+        **Raises:** `ValueError`/`TypeError` at once for bad static arguments (an option
+        that does not apply to this buffer or to `what`, a window these streams cannot
+        hold); an `eqx.error_if` error if nothing can be drawn, and for the faults of the
+        arguments' values.
+        """
+        call = f"{type(self).__name__}.sample"
+        batch_size = check_positive_int(batch_size, f"{call}(batch_size=...)")
+        law, faults = self.law(
+            what,
+            distribution_power=distribution_power,
+            source=source,
+            discount=discount,
+            beta=beta,
+            age=age,
+            call=call,
+        )
+        return sample_with(law, self, key, batch_size, faults, call)
+
+    # --- shards: where the layers that count per shard keep their counts ------------------
+
+    @property
+    def num_shards(self) -> int:
+        """How many shards the buffer is split into: 1 (a global buffer has one per device
+        of its mesh axis). A layer that counts per shard (`RateLimited`) keeps one count per
+        shard, where the shard is."""
+        return 1
+
+    def place_shards(self, x: Array) -> Array:
+        """`x`, one row per shard, placed where the shards are (as it is, for one shard)."""
+        return x
+
+    def map_shards(self, fn: Callable[..., Any], per_shard: Any, shared: Any) -> Any:
+        """`fn(rows, shared, axis, num_shards) -> (rows, shared)` on each shard, where it is:
+        `per_shard` has one row per shard (leading axis `num_shards`, as `place_shards`
+        places it) and `fn` gets this shard's; `shared` is the same everywhere; `axis` names
+        the mesh axis of the shards for collectives inside `fn` (`None` for one shard). The
+        rows `fn` returns keep a leading axis of 1, the `shared` it returns must be the same
+        in every shard."""
+        rows = jax.tree.map(lambda x: x[0], per_shard)
+        return fn(rows, shared, None, 1)
+
+    # --- what a layer that keeps a buffer elsewhere (a `Dataset`) keeps besides steps -------
+
+    def priority_settings(self) -> dict[str, Any] | None:
+        """What the masses of this buffer's windows depend on (`priority_exponent`, the
+        window's `period` and size), read from the static configuration alone; `None` for a
+        buffer whose windows carry no priorities."""
+        return None
+
+    def window_priorities(self) -> WindowPriorities | None:
+        """The priorities of every window this buffer holds, and its largest priority; `None`
+        for a buffer whose windows carry no priorities."""
+        return None
+
+    def with_window_priorities(
+        self: _T,
+        masses: Real[ArrayLike, "num_envs leaves"],
+        *,
+        max_priority: Real[ArrayLike, ""],
+    ) -> _T:
+        """The buffer with the masses of the windows it holds set, as `window_priorities`
+        gives them (`NaN`: none known, the window gets the mass of `max_priority`), and
+        `max_priority`.
+
+        **Raises:** `TypeError` for a buffer whose windows carry no priorities.
+        """
+        name = type(self).__name__
+        raise TypeError(f"`{name}.with_window_priorities`: a {name} has no priorities.")
+
+    def counts(self) -> tuple[int, int] | None:
+        """The inserts and samples a rate-limited buffer has counted, or `None` for a buffer
+        that counts nothing."""
+        return None
+
+    def with_counts(self: _T, counts: tuple[int, int] | None) -> _T:
+        """The buffer with counts that were kept elsewhere (a `Dataset`'s record of a
+        rate-limited buffer; `None`: none were kept). A buffer that counts nothing is
+        returned as it is."""
+        return self
+
+    # --- names: env ids, for the calls that take stamps back ---------------------------------
+
+    def split_envs(self, env_ids: Int[Array, "*n"]) -> tuple[Int[Array, "*n"], Int[Array, "*n"]]:
+        """For env ids of a union of buffers of this configuration (a
+        `GlobalTrajectoryBuffer`'s shards, where shard `k`'s env `e` is `k · num_envs + e`):
+        the buffer of each entry, and its env there. In-range ids (checked by the caller)."""
+        return split_union(env_ids, self.num_envs)
+
+    def read(
+        self,
+        env_ids: Integer[ArrayLike, " n"],
+        starts: Integer[ArrayLike, " n"],
+        window: Window,
+        *,
+        mask: Bool[ArrayLike, " n"] | None = None,
+    ) -> Any:
+        """The windows named by stamps `(env_ids, starts)`, read again (a `TrajectoryBuffer`'s:
+        see `TrajectoryBuffer.read`).
+
+        **Raises:** `TypeError` at once for a buffer that does not read windows by stamp.
+        """
+        name = type(self).__name__
+        raise TypeError(f"`{name}.read`: a {name} does not read windows by stamp.")
+
+    def pop(self: _T, sequence_length: int) -> tuple[PyTree[Array], _T]:
+        """Remove and return the oldest unread steps of every env (a `TrajectoryQueue`'s: see
+        `TrajectoryQueue.pop`).
+
+        **Raises:** `TypeError` at once for a buffer that is sampled, not read once.
+        """
+        name = type(self).__name__
+        raise TypeError(f"`{name}.pop`: a {name} is sampled (`sample`), not read once.")
+
+    def can_pop(self, length: int) -> Bool[Array, ""]:
+        """Whether `pop(length)` may run (a `TrajectoryQueue`'s).
+
+        **Raises:** `TypeError` at once for a buffer that is sampled, not read once.
+        """
+        name = type(self).__name__
+        raise TypeError(f"`{name}.can_pop`: a {name} is sampled (`sample`), not read once.")
+
+    def set_priorities(
+        self: _T,
+        env_ids: Integer[ArrayLike, " n"],
+        starts: Integer[ArrayLike, " n"],
+        priorities: Real[ArrayLike, " n"],
+        *,
+        mask: Bool[ArrayLike, " n"] | None = None,
+    ) -> _T:
+        """Set the priorities of the windows named by stamps (a prioritised buffer's: see
+        `PrioritisedTrajectoryBuffer.set_priorities`).
+
+        **Raises:** `TypeError` at once for a buffer without priorities.
+        """
+        name = type(self).__name__
+        raise TypeError(f"`{name}.set_priorities`: a {name} has no priorities.")
+
+    def note_priorities(
+        self: _T,
+        env_ids: Integer[ArrayLike, " n"],
+        starts: Integer[ArrayLike, " n"],
+        priorities: Real[ArrayLike, " n"],
+        *,
+        mask: Bool[ArrayLike, " n"] | None = None,
+    ) -> _T:
+        """The buffer with `max_priority` raised as `set_priorities` would raise it, and
+        nothing set (see `AbstractReplay.note_priorities`); a buffer without priorities as it
+        is."""
+        return self
 
     def _check_streams(self, streams: Streams, call: str) -> Streams:
         """`streams` if it has this buffer's configuration, else an error quoting `call`."""

@@ -448,6 +448,21 @@ def check_mask(mask: ArrayLike, n: int, call: str) -> Array:
     return jnp.asarray(mask)
 
 
+def check_mask_like(mask: ArrayLike, like: Array, call: str) -> Array:
+    """A boolean mask of one flag per entry of `like` (the checked ids it goes with), as a
+    JAX array."""
+    _array_like(mask, call, "mask")
+    shape = tuple(np.shape(mask))
+    dtype = jnp.result_type(mask)
+    if shape != tuple(like.shape):
+        raise ValueError(
+            f"`{call}`: `mask` has shape {shape}, expected {tuple(like.shape)}: one flag per entry."
+        )
+    if dtype != jnp.bool_:
+        raise TypeError(f"`{call}`: `mask` has dtype {dtype}, expected bool.")
+    return jnp.asarray(mask)
+
+
 def check_vector(x: ArrayLike, n: int | None, call: str, name: str) -> Array | np.ndarray:
     """A one-axis array of `n` real entries (any length if `n` is None), returned as given
     (not converted: `as_float` converts it).
@@ -562,7 +577,7 @@ def check_generations(generations: ArrayLike, n: int, call: str) -> UInt32[Array
 
 
 def check_index(
-    index: ArrayLike,
+    index: Any,
     bound: int,
     call: str,
     *,

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Int, Integer, PRNGKeyArray, PyTree, Real, UInt32
 
-from ._abstract import AbstractPrioritisedReplay, AbstractReplay
+from ._abstract import AbstractPrioritisedReplay, AbstractReplay, Indices
 from ._checks import (
     check_finite_float,
     check_fn_output,
@@ -20,8 +20,10 @@ from ._checks import (
     INT32_MAX,
     plural,
 )
-from ._deprecated import renamed
-from ._faults import check_faults, is_concrete
+from ._deprecated import renamed, warn_replaced
+from ._faults import check_faults, Fault, guarded, is_concrete, vmap_checked
+from ._laws import AbstractLaw, Draw
+from ._policy_age import PolicyAge
 from ._storage import check_batch
 
 
@@ -180,39 +182,31 @@ class ClusteredReplay(AbstractReplay):
             return self
         return self._insert(items, mask, call)
 
-    def sample(self, key: PRNGKeyArray, batch_size: int) -> Any:
-        """Draw `batch_size` rows: for each, a cluster, then an item from that cluster.
+    def law(
+        self,
+        *,
+        age: PolicyAge | None = None,
+        beta: Real[ArrayLike, ""] | None = None,
+        call: str = "ClusteredReplay.law",
+    ) -> tuple[AbstractLaw, list[Fault]]:
+        """For each row, a cluster `c` with probability `∝ size_c ** distribution_power` among
+        those that hold an item the inner law can draw, then an item of `c` by the inner
+        replay's law (with `age`, its aged law); the rows are what the inner replay's
+        `sample` returns. Over a union of replays (a `GlobalReplay`'s shards), the cluster
+        sizes are summed over the union, and the inner law runs over the cluster's union."""
+        inner, faults = self.clusters.law(age=age, beta=beta, call=call)
+        return ClusteredLaw(inner, self.num_clusters, self.distribution_power), faults
 
-        **Returns:** what the inner replay's `sample` returns, with a leading `batch_size`
-        axis; each row comes from the cluster drawn for it.
-
-        **Raises:** an `eqx.error_if` error if every cluster is empty.
-        """
-        call = "ClusteredReplay.sample"
-        batch_size = check_positive_int(batch_size, f"{call}(batch_size=...)")
-        return check_faults(
-            self.sample_unchecked(key, batch_size),
-            [(self.size == 0, f"`{call}`: cannot sample from an empty ClusteredReplay")],
-            order_reads=False,
-        )
-
-    def sample_unchecked(self, key: PRNGKeyArray, batch_size: int) -> Any:
-        keys = jax.random.split(key, self.num_clusters + 1)
-        chosen = choose_clusters(keys[0], self.cluster_sizes, self.distribution_power, batch_size)
-        # Every cluster draws a full batch (empty ones too: the draw is unchecked), and row j
-        # is kept from the cluster chosen for it. Generic over whatever the inner replay
-        # returns, and rows stay independent because each cluster's rows are.
-        draws = eqx.filter_vmap(lambda r, k: r.sample_unchecked(k, batch_size))(
-            self.clusters, keys[1:]
-        )
-        rows = jnp.arange(batch_size)
-        return jax.tree.map(lambda x: x[chosen, rows], draws)
+    def split_indices(self, indices: Indices) -> tuple[Int[Array, " n"], Any]:
+        ids, local = _pair(indices, "ClusteredReplay.split_indices")
+        owner, local = self.clusters.split_indices(local)
+        return owner, (jnp.asarray(ids), local)
 
     def set_priorities(
         self: _C,
-        cluster_ids: Integer[ArrayLike, " n"],
-        indices: Integer[ArrayLike, " n"],
+        indices: Indices,
         priorities: Real[ArrayLike, " n"],
+        legacy: Real[ArrayLike, " n"] | None = None,
         *,
         mask: Bool[ArrayLike, " n"] | None = None,
         generations: UInt32[ArrayLike, " n"] | None = None,
@@ -220,23 +214,25 @@ class ClusteredReplay(AbstractReplay):
     ) -> _C:
         """Set priorities in the clusters of a prioritised inner replay.
 
-        For an inner `AbstractPrioritisedReplay` (a `PrioritisedReplay`): entry `j` sets
-        the priority of slot `indices[j]` of cluster `cluster_ids[j]`. A sample's `indices`
-        are slots within the cluster each row came from, and the cluster of a row is
-        `cluster_fn` of its item: `cluster_ids = jax.vmap(replay.cluster_fn)(sample.items)`.
-        Within one cluster, the last of repeated indices wins.
+        For an inner `AbstractPrioritisedReplay` (a `PrioritisedReplay`): entry `j` of
+        `indices = (cluster_ids, slots)` sets the priority of slot `slots[j]` of cluster
+        `cluster_ids[j]`. A sample's `indices` are slots within the cluster each row came
+        from, and the cluster of a row is `cluster_fn` of its item: `cluster_ids =
+        jax.vmap(replay.cluster_fn)(sample.items)`. Within one cluster, the last of repeated
+        indices wins.
 
         **Arguments:**
 
-        - `cluster_ids`: integer array of shape `(n,)`, ids in `[0, num_clusters)`.
-        - `indices`: integer array of shape `(n,)`, stored slots of those clusters.
+        - `indices`: a pair `(cluster_ids, slots)` of integer arrays of shape `(n,)`: ids in
+            `[0, num_clusters)`, and stored slots of those clusters.
         - `priorities`: array of shape `(n,)`, finite and non-negative.
         - `mask`: optional boolean array of shape `(n,)`: only the entries where it is `True`
             are set (and checked); the others may hold anything.
         - `generations`: optional uint32 array of shape `(n,)`, the sample's `generations`:
             an entry whose slot has been written since is ignored (see
             `PrioritisedReplay.set_priorities`).
-        - `stamps`: the deprecated name of `generations` (removed in the next release).
+        - `legacy`, `stamps`: the deprecated forms: `set_priorities(cluster_ids, slots,
+            priorities)`, and `generations` under its old name (removed in the next release).
 
         **Returns:** the new replay.
 
@@ -246,22 +242,25 @@ class ClusteredReplay(AbstractReplay):
         negative or non-finite priority).
         """
         call = "ClusteredReplay.set_priorities"
+        if legacy is not None:
+            warn_replaced(
+                f"{call}(cluster_ids, indices, priorities)",
+                f"{call}((cluster_ids, indices), priorities)",
+            )
+            indices, priorities = (indices, priorities), legacy  # pyright: ignore
         generations = renamed(generations, stamps, "generations", "stamps", call)
         if not isinstance(self.clusters, AbstractPrioritisedReplay):
             raise TypeError(
                 f"`{call}`: the inner replay, a {type(self.clusters).__name__}, has no "
                 "priorities (it is not an `AbstractPrioritisedReplay`)."
             )
+        cluster_ids, slots = _pair(indices, call)
         # All three checked here, so that a mismatch names this call and its arguments.
         ids, bad = check_index(cluster_ids, self.num_clusters, f"{call}(cluster_ids=...)", ndim=1)
         n = ids.shape[0]
         # Out-of-range slots become `max_size`, which the inner `set_priorities` reports.
-        indices, _ = check_index(
-            indices,
-            self.clusters.max_size,
-            f"{call}(indices=...)",
-            ndim=1,
-            length=(n, "cluster id"),
+        slots, _ = check_index(
+            slots, self.clusters.max_size, f"{call}(indices=...)", ndim=1, length=(n, "cluster id")
         )
         # Checked here, converted by the inner replay (to the dtype of its priorities, from
         # the values' own dtype: an int64 is not wrapped on the way).
@@ -280,20 +279,40 @@ class ClusteredReplay(AbstractReplay):
                 )
             ],
         )
-        clusters: AbstractPrioritisedReplay = self.clusters
 
         def set_in(cluster: AbstractPrioritisedReplay, c: Int[Array, ""]):
             return cluster.set_priorities(
-                indices, priorities, mask=valid & (ids == c), generations=generations
+                slots, priorities, mask=valid & (ids == c), generations=generations
             )
 
-        clusters = eqx.filter_vmap(set_in)(clusters, jnp.arange(self.num_clusters, dtype=jnp.int32))
+        every = jnp.arange(self.num_clusters, dtype=jnp.int32)
+        clusters, faults = vmap_checked(set_in, self.clusters, every)
+        return eqx.tree_at(lambda r: r.clusters, self, guarded(clusters, faults))
+
+    def note_priorities(
+        self: _C,
+        indices: Indices,
+        priorities: Real[ArrayLike, " n"],
+        *,
+        mask: Bool[ArrayLike, " n"] | None = None,
+    ) -> _C:
+        call = "ClusteredReplay.note_priorities"
+        cluster_ids, slots = _pair(indices, call)
+        ids, _ = check_index(cluster_ids, self.num_clusters, f"{call}(cluster_ids=...)", ndim=1)
+        n = ids.shape[0]
+        valid = jnp.ones(n, jnp.bool_) if mask is None else check_mask(mask, n, call)
+
+        def note_in(cluster: AbstractReplay, c: Int[Array, ""]) -> AbstractReplay:
+            return cluster.note_priorities(slots, priorities, mask=valid & (ids == c))
+
+        every = jnp.arange(self.num_clusters, dtype=jnp.int32)
+        clusters = eqx.filter_vmap(note_in)(self.clusters, every)
         return eqx.tree_at(lambda r: r.clusters, self, clusters)
 
     def update(self: _C, fn: Callable[[PyTree[Array]], PyTree[Array]]) -> _C:
         check_fn_output(self.item_spec, fn, "ClusteredReplay.update")
-        clusters = eqx.filter_vmap(lambda r: r.update(fn))(self.clusters)
-        return eqx.tree_at(lambda r: r.clusters, self, clusters)
+        clusters, faults = vmap_checked(lambda r: r.update(fn), self.clusters)
+        return eqx.tree_at(lambda r: r.clusters, self, guarded(clusters, faults))
 
     def _insert(self: _C, items: PyTree[Array], mask: Bool[Array, " n"] | None, call: str) -> _C:
         """Add each valid item to the cluster `cluster_fn` names; an id out of range is an
@@ -317,10 +336,9 @@ class ClusteredReplay(AbstractReplay):
             # items exactly as sequential adds would give them, overflow included.
             return cluster.add_batch(items, mask=valid & (ids == c))
 
-        clusters = eqx.filter_vmap(add_to)(
-            self.clusters, jnp.arange(self.num_clusters, dtype=jnp.int32)
-        )
-        return eqx.tree_at(lambda r: r.clusters, self, clusters)
+        every = jnp.arange(self.num_clusters, dtype=jnp.int32)
+        clusters, faults = vmap_checked(add_to, self.clusters, every)
+        return eqx.tree_at(lambda r: r.clusters, self, guarded(clusters, faults))
 
 
 def choose_clusters(
@@ -339,3 +357,105 @@ def choose_clusters(
     u = jax.random.uniform(key, (batch_size,), jnp.float32)
     chosen = jnp.searchsorted(cdf, u * cdf[-1], side="right", method="compare_all")
     return jnp.minimum(chosen, jnp.argmax(cdf)).astype(jnp.int32)
+
+
+def _pair(indices: Any, call: str) -> tuple[Any, Any]:
+    """The `(cluster_ids, slots)` of a clustered replay's `indices`."""
+    if not (isinstance(indices, tuple) and len(indices) == 2):
+        raise TypeError(
+            f"`{call}`: the indices of a ClusteredReplay are a pair `(cluster_ids, slots)` "
+            f"(a cluster, and a slot in it); got a {type(indices).__name__}."
+        )
+    return indices
+
+
+class ClusteredLaw(AbstractLaw):
+    """A `ClusteredReplay`'s law: for each row a cluster `c` by `size_c ** power` among the
+    clusters whose inner law has something to draw, then the inner law within `c`. Over a
+    union of replays, the cluster sizes add up across the union and the inner law runs over
+    the union of cluster `c`'s replays (one per buffer), row by row."""
+
+    inner: AbstractLaw
+    num_clusters: int = eqx.field(static=True)
+    power: float = eqx.field(static=True)
+
+    def summary(self, buffer: ClusteredReplay) -> PyTree[Array]:
+        inner = eqx.filter_vmap(self.inner.summary)(buffer.clusters)
+        return buffer.cluster_sizes, inner
+
+    def _clusters(self, summaries: PyTree[Array]) -> tuple[Array, Array, PyTree[Array]]:
+        """Each cluster's size over the union, whether it has anything to draw, and its
+        inner summaries (a leading axis of clusters, then of buffers)."""
+        sizes, inner = summaries
+        per_cluster = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), inner)
+        available = jax.vmap(self.inner.available)(per_cluster)
+        return jnp.sum(sizes, axis=0), available, per_cluster
+
+    def draw(self, key: PRNGKeyArray, batch_size: int, summaries: PyTree[Array]) -> Draw:
+        sizes, available, per_cluster = self._clusters(summaries)
+        cluster_key, row_key = jax.random.split(key)
+        chosen = choose_clusters(
+            cluster_key, jnp.where(available, sizes, 0), self.power, batch_size
+        )
+        # Row j is drawn by the inner law over the union of cluster chosen[j]'s replays.
+        rows = jax.tree.map(lambda x: x[chosen], per_cluster)
+        keys = jax.random.split(row_key, batch_size)
+        drawn = jax.vmap(lambda k, s: self.inner.draw(k, 1, s))(keys, rows)
+        at = jax.tree.map(lambda x: x[:, 0], drawn.at)
+        return Draw(drawn.owner[:, 0], (chosen, at))
+
+    def read(self, buffer: ClusteredReplay, at: PyTree[Array]) -> PyTree[Array]:
+        chosen, inner_at = at
+        # Every cluster reads every row (its own law's coordinates are in range for any of
+        # them), and row j is kept from the cluster chosen for it: generic over whatever the
+        # inner law reads. O(num_clusters · batch_size).
+        rows = eqx.filter_vmap(lambda r: self.inner.read(r, inner_at))(buffer.clusters)
+        return jax.tree.map(lambda x: x[chosen, jnp.arange(chosen.shape[0])], rows)
+
+    def finish(self, rows: PyTree[Array], draw: Draw, summaries: PyTree[Array]) -> Any:
+        chosen, inner_at = draw.at
+        per_row = jax.tree.map(lambda x: x[chosen], self._clusters(summaries)[2])
+
+        def one(row, owner, at, s):
+            add = lambda x: x[None]  # noqa: E731
+            out = self.inner.finish(
+                jax.tree.map(add, row), Draw(owner[None], jax.tree.map(add, at)), s
+            )
+            return jax.tree.map(lambda x: x[0], out)
+
+        return jax.vmap(one)(rows, draw.owner, inner_at, per_row)
+
+    def available(self, summaries: PyTree[Array]) -> Bool[Array, ""]:
+        return jnp.any(self._clusters(summaries)[1])
+
+    def faults(self, summaries: PyTree[Array], call: str) -> list[Fault]:
+        sizes, available, per_cluster = self._clusters(summaries)
+        empty = jnp.sum(sizes) == 0
+        # An inner fault counts where its cluster can be chosen (a cluster with nothing to
+        # draw is left out, and only an error if every one is).
+        inner = [
+            (jnp.any(jnp.asarray(pred) & available), message)
+            for pred, message in _cluster_faults(self.inner, per_cluster, call)
+        ]
+        return [
+            (empty, f"`{call}`: cannot sample from an empty ClusteredReplay"),
+            (
+                ~empty & ~jnp.any(available),
+                f"`{call}`: no cluster holds an item that can be drawn (every stored item "
+                "has priority 0, or is older than `max_age`)",
+            ),
+            *inner,
+        ]
+
+
+def _cluster_faults(law: AbstractLaw, per_cluster: PyTree[Array], call: str) -> list[Fault]:
+    """The inner law's faults of each cluster: one flag per cluster, and the message."""
+    messages: list[str] = []
+
+    def one(s):
+        faults = law.faults(s, call)
+        messages[:] = [m for _, m in faults]
+        return [jnp.any(jnp.asarray(p)) for p, _ in faults]
+
+    preds = jax.vmap(one)(per_cluster)
+    return list(zip(preds, messages))

@@ -28,13 +28,12 @@ import os
 from pathlib import Path
 from typing import Any, TypeVar
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import ArrayLike, Integer, PRNGKeyArray, PyTree
 
-from ._abstract import AbstractTrajectoryBuffer
+from ._abstract import AbstractTrajectoryBuffer, WindowPriorities
 from ._checks import (
     as_prototype,
     check_bool,
@@ -55,14 +54,12 @@ from ._dataset_files import (
     Writer,
 )
 from ._faults import is_concrete
-from ._prioritised_trajectory import PrioritisedTrajectoryBuffer
-from ._rate_limiter import RateLimited
 from ._sequences import draw_whole_windows, whole_windows
 from ._streams import gather_steps, Streams
 from ._windows import as_whole_window, mask_windows, SequenceSample, Window
 
 
-_B = TypeVar("_B", bound=AbstractTrajectoryBuffer | RateLimited)
+_B = TypeVar("_B", bound=AbstractTrajectoryBuffer)
 _Int = Integer[ArrayLike, ""]  # an env id or a step number: what `sample` returns too
 
 # A hook for the crash-safety tests: called after a write's chunks are in place and before
@@ -71,7 +68,6 @@ _BEFORE_COMMIT: Any = None
 
 
 def _spec_of_like(like: Any, call: str) -> PyTree[jax.ShapeDtypeStruct]:
-    like = _unwrapped(like)[0]
     if isinstance(like, AbstractTrajectoryBuffer):
         return like.item_spec
     return as_prototype(like, f"{call}(like=...)")
@@ -89,9 +85,9 @@ class Dataset:
         `Dataset.open(path, like)` opens one (`like`: the prototype, or a buffer).
     - `write(buffer)` appends, per env, exactly the steps a trajectory buffer (any
         `AbstractTrajectoryBuffer`) took since the previous write, and refuses, writing
-        nothing, if some were overwritten before they could be written. From a
-        `PrioritisedTrajectoryBuffer` it also stores the priorities of its windows and its
-        `max_priority`; from a `RateLimited` its buffer's steps and its limiter's counts.
+        nothing, if some were overwritten before they could be written. From a buffer whose
+        windows carry priorities (`window_priorities`) it also stores those and its
+        `max_priority`; from a rate-limited buffer (`counts`) its counts.
     - `append(steps, env_ids=None)` appends steps given directly (`[n, T, ...]`).
     - `read(env, start, stop)` reads a range of one env's steps; `sample(key, batch_size,
         window)` draws random whole windows (a strict `Window`); neither loads the dataset.
@@ -260,16 +256,17 @@ class Dataset:
         )
         self._commit(manifest, call)
 
-    def write(self, buffer: AbstractTrajectoryBuffer | RateLimited) -> int:
+    def write(self, buffer: AbstractTrajectoryBuffer) -> int:
         """Append the steps each env of `buffer` took since the previous write; return how
         many were written. Call it on the host, between jitted steps.
 
         The first write of a dataset starts each env at the oldest step the buffer still
-        holds. From a `PrioritisedTrajectoryBuffer`, every write also stores the priority of
-        each window the buffer holds (as of now, in a new segment: what was committed before
-        is never rewritten) and its `max_priority`. From a `RateLimited` wrapping a trajectory
-        buffer, it writes the buffer and records the limiter's `counts()`; a write from a
-        buffer without a limiter records none (`append` keeps what was recorded).
+        holds. From a buffer whose windows carry priorities (a `PrioritisedTrajectoryBuffer`,
+        or a layer over one), every write also stores the priority of each window the buffer
+        holds (as of now, in a new segment: what was committed before is never rewritten)
+        and its `max_priority`. From a rate-limited buffer (`dx.RateLimited`), it records the
+        `counts()`; a write from a buffer without a limiter records none (`append` keeps what
+        was recorded).
 
         **Raises:** `ValueError`, writing nothing, if:
 
@@ -285,7 +282,6 @@ class Dataset:
         `TypeError` for a traced or abstract buffer, and `RuntimeError` as for `append`.
         """
         call = "Dataset.write"
-        buffer, limited = _unwrapped(buffer)
         t = _streams_of(buffer, self._manifest, call, "the buffer")
         _check_host(t, call, "the buffer's leaves")
         count = np.asarray(t.step_count, np.int64)
@@ -295,14 +291,15 @@ class Dataset:
             manifest = dataclasses.replace(manifest, start=(count - stored).tolist())
         start = np.asarray(manifest.start, np.int64)
         new = _new_steps(count, stored, start + self.lengths, t.max_length, call)
-        manifest = _with_settings(manifest, buffer, limited, call)
+        manifest, priorities = _with_settings(manifest, buffer, call)
         _check_count(self.ends, new, call)
         self._writer.begin(call)
         steps = _newest(t, new)
         per_env = {int(e): [x[e, : new[e]] for x in steps] for e in np.flatnonzero(new)}
         self._files.write(self.lengths, per_env, call)
-        if isinstance(buffer, PrioritisedTrajectoryBuffer):
-            manifest = _with_segment(self._files, manifest, buffer, start, call)
+        if priorities is not None:
+            period = manifest.priorities["period"]  # pyright: ignore[reportOptionalSubscript]
+            manifest = _with_segment(self._files, manifest, priorities, period, start, call)
         manifest = dataclasses.replace(
             manifest, length=(self.lengths + new).tolist(), writes=manifest.writes + 1
         )
@@ -375,20 +372,20 @@ class Dataset:
         its `max_length`), with its step counts, to continue training (`like.with_streams`:
         an empty online queue, nothing unread).
 
-        For a `PrioritisedTrajectoryBuffer`, each stored window gets the priority the dataset
-        holds for it, and the buffer its `max_priority`; windows with none (steps written
-        with `append`, or from a plain buffer) get `max_priority`, as new windows do.
+        For a buffer whose windows carry priorities, each stored window gets the priority the
+        dataset holds for it, and the buffer its `max_priority`; windows with none (steps
+        written with `append`, or from a plain buffer) get `max_priority`, as new windows do.
 
-        For a `RateLimited` `like`, the buffer comes back wrapped, its limiter with the counts
+        For a rate-limited `like` (`dx.RateLimited`), its limiter comes back with the counts
         the last write recorded. `like` may come from `eqx.filter_eval_shape`.
 
         **Raises:** `ValueError` if `like`'s steps or number of envs differ from the
         dataset's, or its priority exponent, period or window from those the priorities
-        were written with, or a chunk it reads is damaged; for a `RateLimited` `like`, if
-        the last write recorded no counts (load `like.buffer` and wrap it yourself).
+        were written with, or a chunk it reads is damaged; for a rate-limited `like`, if the
+        last write recorded no counts (load `like.buffer` and wrap it yourself).
         """
         call = "Dataset.load"
-        inner, template, limited = _template(self._manifest, like, call)  # before any reading
+        template = _template(self._manifest, like, call)  # before any reading
         ends, kept = self.ends, np.minimum(self.lengths, template.max_length)
         data = [
             np.zeros((self.num_envs, template.max_length, *leaf["shape"]), leaf["dtype"])
@@ -400,8 +397,8 @@ class Dataset:
             for out, x in zip(data, values):
                 out[e, : kept[e]] = x
         steps = jax.tree.unflatten(jax.tree.structure(self._spec), data)
-        buffer = inner.with_streams(template.restore(steps, ends, kept))
-        return _restored(self._files, self._manifest, buffer, limited, call)
+        buffer = like.with_streams(template.restore(steps, ends, kept))
+        return _restored(self._files, self._manifest, buffer, call)
 
 
 def _range(
@@ -550,13 +547,11 @@ def _new_steps(
     return new
 
 
-def _check_priorities(
-    manifest: Manifest, buffer: PrioritisedTrajectoryBuffer, call: str, whose: str
-) -> None:
-    """Refuse a prioritised buffer whose exponent, period or window differ from those of the
+def _check_priorities(manifest: Manifest, settings: dict | None, call: str, whose: str) -> None:
+    """Refuse a buffer whose priority exponent, period or window differ from those of the
     buffer the dataset's priorities were written from."""
     old = manifest.priorities
-    for key, value in _priority_settings(buffer).items():
+    for key, value in (settings or {}).items():
         if old is not None and old[key] != value:
             raise ValueError(
                 f"`{call}`: {whose} {key} is {value}, but the dataset's priorities were "
@@ -571,24 +566,14 @@ def _whole_window(window: Any, options: dict[str, Any], spec: PyTree, call: str)
     return window
 
 
-def _priority_settings(buffer: PrioritisedTrajectoryBuffer) -> dict:
-    """What the stored masses depend on: the exponent and which windows they are of."""
-    return {
-        "priority_exponent": buffer.priority_exponent,
-        "period": buffer.window.period,
-        "window": buffer.window.size,
-    }
-
-
 def _held_windows(
-    buffer: PrioritisedTrajectoryBuffer, floor: np.ndarray
+    priorities: WindowPriorities, floor: np.ndarray
 ) -> list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
-    """Per env `e` with any, `(e, starts, masses, leaves)`: the windows `buffer` holds whole
-    that start at or after `floor[e]`, their masses and their leaves in the env's row of
-    `window_masses`, on the host."""
-    held = jax.tree.map(np.asarray, buffer.window_masses())
+    """Per env `e` with any, `(e, starts, masses, leaves)`: the windows held whole that start
+    at or after `floor[e]`, their masses and their leaves in the env's row, on the host."""
+    held = jax.tree.map(np.asarray, priorities)
     out = []
-    for e in range(buffer.num_envs):
+    for e in range(held.held.shape[0]):
         (leaves,) = np.nonzero(held.held[e] & (held.start[e] >= floor[e]))
         if leaves.size:
             out.append((e, held.start[e, leaves].astype(np.int64), held.mass[e, leaves], leaves))
@@ -630,11 +615,16 @@ def _read_manifest(path: Path, expected: list[dict], call: str) -> tuple[Manifes
 
 
 def _with_segment(
-    files: Files, manifest: Manifest, buffer: PrioritisedTrajectoryBuffer, start: Any, call: str
+    files: Files,
+    manifest: Manifest,
+    priorities: WindowPriorities,
+    period: int,
+    start: Any,
+    call: str,
 ) -> Manifest:
-    """`manifest` listing a new segment with the masses of every window `buffer` holds
-    (whose first step is at or after the env's `start`)."""
-    held = _held_windows(buffer, start)
+    """`manifest` listing a new segment with the masses of every window held (whose first
+    step is at or after the env's `start`)."""
+    held = _held_windows(priorities, start)
     if not held:
         return manifest
     name = f"priorities/{manifest.writes}"
@@ -643,7 +633,7 @@ def _with_segment(
     for e, starts, mass, _ in held:
         order = np.argsort(starts)  # leaf order wraps around; a segment is in start order
         # The windows a buffer holds are every `period` steps over its stored steps.
-        assert (np.diff(starts[order]) == buffer.window.period).all()
+        assert (np.diff(starts[order]) == period).all()
         first[e], count[e] = int(starts[order[0]]), int(starts.size)
         masses[e] = mass[order].astype(np.float32)
     digest = files.write_segment(name, masses, manifest.num_envs, call)
@@ -652,78 +642,53 @@ def _with_segment(
     return dataclasses.replace(manifest, segments=segments, digests=digests)
 
 
-def _load_priorities(
-    files: Files, manifest: Manifest, buffer: PrioritisedTrajectoryBuffer, call: str
-) -> PrioritisedTrajectoryBuffer:
-    """`buffer` (fresh from `with_streams`) with the stored masses of its windows."""
+def _load_priorities(files: Files, manifest: Manifest, buffer: Any, call: str) -> Any:
+    """`buffer` (fresh from `with_streams`) with the stored masses of its windows and the
+    stored `max_priority`."""
     meta = manifest.priorities
-    top = jnp.asarray(1.0 if meta is None else meta["max_priority"], buffer.max_priority.dtype)
-    # Windows without a stored mass get the largest priority's, as new windows do.
-    shape = (buffer.num_envs, buffer.leaves_per_env)
-    masses = np.array(jnp.broadcast_to(buffer.priorities.mass(top), shape))
-    for e, starts, _, leaves in _held_windows(buffer, np.asarray(manifest.start, np.int64)):
-        stored = files.masses(manifest, e, starts, call)
-        masses[e, leaves] = np.where(np.isnan(stored), masses[e, leaves], stored)
-    return buffer.with_window_masses(masses, max_priority=top)
+    priorities = buffer.window_priorities()
+    top = 1.0 if meta is None else meta["max_priority"]
+    # Windows without a stored mass get the largest priority's, as new windows do (NaN).
+    masses = np.full(priorities.mass.shape, np.nan, np.float32)
+    for e, starts, _, leaves in _held_windows(priorities, np.asarray(manifest.start, np.int64)):
+        masses[e, leaves] = files.masses(manifest, e, starts, call)
+    return buffer.with_window_priorities(masses, max_priority=np.float32(top))
 
 
 # ---------------------------------------------------------------------------------------------
-# A `RateLimited` buffer: its buffer is written and loaded as any other, its limiter's counts
-# go in the manifest.
-
-
-def _unwrapped(x: Any) -> tuple[Any, RateLimited | None]:
-    """`(buffer, limited)`: the buffer a `RateLimited` wraps and the wrapper, or `x` and `None`."""
-    return (x.buffer, x) if isinstance(x, RateLimited) else (x, None)
+# What a write records besides steps, and a load restores: a buffer's priorities and counts,
+# asked of the buffer (`AbstractTrajectoryBuffer.window_priorities`, `counts`), whatever it is.
 
 
 def _with_settings(
-    manifest: Manifest, buffer: Any, limited: RateLimited | None, call: str
-) -> Manifest:
-    """`manifest` with what a write records besides steps: a prioritised buffer's settings
-    (checked against those written before) and a limiter's counts, or none."""
-    counts = None
-    if limited is not None:
-        inserts, samples = limited.limiter.counts()
-        counts = {"inserts": inserts, "samples": samples}
-    manifest = dataclasses.replace(manifest, limiter=counts)
-    if not isinstance(buffer, PrioritisedTrajectoryBuffer):
-        return manifest
-    _check_priorities(manifest, buffer, call, "the buffer's")
-    settings = _priority_settings(buffer) | {"max_priority": float(buffer.max_priority)}
-    return dataclasses.replace(manifest, priorities=settings)
+    manifest: Manifest, buffer: AbstractTrajectoryBuffer, call: str
+) -> tuple[Manifest, WindowPriorities | None]:
+    """`manifest` with what a write records besides steps (a buffer's priority settings,
+    checked against those written before, and its counts, or none), and the buffer's window
+    priorities (`None` for a buffer without)."""
+    counts = buffer.counts()
+    limiter = None if counts is None else {"inserts": counts[0], "samples": counts[1]}
+    manifest = dataclasses.replace(manifest, limiter=limiter)
+    settings = buffer.priority_settings()
+    if settings is None:
+        return manifest, None
+    _check_priorities(manifest, settings, call, "the buffer's")
+    priorities = buffer.window_priorities()
+    assert priorities is not None
+    settings = settings | {"max_priority": float(priorities.max_priority)}
+    return dataclasses.replace(manifest, priorities=settings), priorities
 
 
-def _template(
-    manifest: Manifest, like: Any, call: str
-) -> tuple[AbstractTrajectoryBuffer, Streams, RateLimited | None]:
-    """`load`'s `like`, checked before anything is read: `(buffer, streams, limited)`, the
-    template buffer, its streams, and for a `RateLimited` the wrapper with the counts the
-    dataset records (else `None`)."""
-    like, limited = _unwrapped(like)
+def _template(manifest: Manifest, like: Any, call: str) -> Streams:
+    """`load`'s `like`, checked before anything is read: its streams."""
     template = _streams_of(like, manifest, call, "`like`")
-    if isinstance(like, PrioritisedTrajectoryBuffer):
-        _check_priorities(manifest, like, call, "`like`'s")
-    if limited is None:
-        return like, template, None
-    counts = manifest.limiter
-    if counts is None:
-        raise ValueError(
-            f"`{call}`: `like` is a RateLimited, but the dataset records no limiter counts: "
-            "its last write was from a buffer without a limiter (or before datasets recorded "
-            "them). Load `like.buffer`, and wrap it with a limiter of the counts you choose: "
-            "`RateLimited(dataset.load(like.buffer), like.limiter.with_counts(inserts, samples))`."
-        )
-    limiter = limited.limiter.with_counts(counts["inserts"], counts["samples"])
-    return like, template, eqx.tree_at(lambda r: r.limiter, limited, limiter)
+    _check_priorities(manifest, like.priority_settings(), call, "`like`'s")
+    return template
 
 
-def _restored(
-    files: Files, manifest: Manifest, buffer: Any, limited: RateLimited | None, call: str
-) -> Any:
-    """The loaded `buffer` with its stored priorities, wrapped as `limited` if given."""
-    if isinstance(buffer, PrioritisedTrajectoryBuffer):
+def _restored(files: Files, manifest: Manifest, buffer: Any, call: str) -> Any:
+    """The loaded `buffer` with its stored priorities and counts."""
+    if buffer.priority_settings() is not None:
         buffer = _load_priorities(files, manifest, buffer, call)
-    if limited is None:
-        return buffer
-    return eqx.tree_at(lambda r: r.buffer, limited, buffer)
+    counts = manifest.limiter
+    return buffer.with_counts(None if counts is None else (counts["inserts"], counts["samples"]))

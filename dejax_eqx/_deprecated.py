@@ -58,3 +58,12 @@ def renamed(new_value: Any, old_value: Any, new: str, old: str, call: str) -> An
         stacklevel=3,
     )
     return old_value
+
+
+def warn_replaced(old: str, new: str, *, stacklevel: int = 3) -> None:
+    """Warn that `old` (a call or a name) is deprecated in favour of `new`."""
+    warnings.warn(
+        f"`{old}` is deprecated; use `{new}` (removed in the next release).",
+        DeprecationWarning,
+        stacklevel=stacklevel,
+    )

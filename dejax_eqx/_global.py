@@ -1,23 +1,37 @@
 """The buffers whose shards live on every device of a mesh, across processes: what
 `GlobalReplay` (`_global_replay.py`) and `GlobalTrajectoryBuffer` (`_global_trajectories.py`)
-share. How their methods run on the shards is `_shard_map.py`; their global draws are
-`_global_draws.py`, their global names `_global_routes.py`. The laws, and what crosses devices
-for each, are in `docs/multi-process.md`.
+share: how they are made, placed and given rows, and the three ways a method runs on the
+shards, each written once over the families' protocol: a draw by a shard's law over the union
+of every shard (`sample_union`), a write routed to the shard that owns each entry
+(`routed_write`), and a question routed likewise (`routed_query`). How a function runs on the
+shards is `_shard_map.py`; the laws, and what crosses devices for each, are in
+`docs/multi-process.md`.
 """
 
 import abc
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from jaxtyping import Array, ArrayLike, PyTree
+from jaxtyping import Array, ArrayLike, Bool, PRNGKeyArray, PyTree
 
-from ._checks import check_positive_int, plural
-from ._shard_map import Layout
+from ._checks import as_float, check_positive_int, plural
+from ._faults import check_faults, collect_faults, Fault, guarded
+from ._laws import AbstractLaw
+from ._shard_map import (
+    assemble,
+    assemble_with_faults,
+    Layout,
+    per_shard,
+    place,
+    put,
+    replicated_faults,
+    run,
+)
 
 
 _B = TypeVar("_B", bound=eqx.Module)
@@ -85,7 +99,7 @@ class AbstractGlobalBuffer(eqx.Module, Generic[_B]):
         elif make is not None or shards is None:
             raise TypeError(f"`{call}`: give exactly one of `make` and `shards`.")
         assert shards is not None
-        _check_shard_type(type(shards), self._kinds(), call)
+        _check_shard(shards, self._family(), call)
         leading = {x.shape[0] if len(x.shape) else None for x in _array_leaves(shards)}
         if leading != {mesh.shape[axis]}:
             raise ValueError(
@@ -209,8 +223,36 @@ class AbstractGlobalBuffer(eqx.Module, Generic[_B]):
 
     @staticmethod
     @abc.abstractmethod
-    def _kinds() -> tuple[type, ...]:
-        """The buffer types a shard may be."""
+    def _family() -> type:
+        """The family a shard belongs to (its abstract class)."""
+
+    @property
+    def template(self) -> _B:
+        """One shard as shapes only: the shards without their leading axis (`jax.
+        ShapeDtypeStruct` leaves). What the static parts of a shard's methods read (its
+        law, its configuration)."""
+        return jax.tree.map(
+            lambda x: (
+                jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+                if isinstance(x, jax.Array | jax.ShapeDtypeStruct | np.ndarray)
+                else x
+            ),
+            self.shards,
+        )
+
+    @property
+    def layered(self) -> bool:
+        """A global buffer is a layer over its shards: it cannot be a shard or a cluster."""
+        return True
+
+    def place_shards(self, x: Array) -> Array:
+        """`x`, one row per shard, split over the mesh as the shards are."""
+        return put(x, self.sharding)
+
+    def map_shards(self, fn: Callable[..., Any], per_shard: Any, shared: Any) -> Any:
+        """`fn` on each shard, inside `shard_map` (see `AbstractReplay.map_shards`); the
+        `shared` it returns is replicated."""
+        return run(map_rows, self.layout, fn, per_shard, shared)
 
     def rows(self, local: PyTree[ArrayLike]) -> PyTree[Array]:
         """A global array of `add`/`add_batch`/`extend` arguments (items, or env ids) from
@@ -226,6 +268,7 @@ class AbstractGlobalBuffer(eqx.Module, Generic[_B]):
         `num_local_shards`.
         """
         count, sharding = self.num_local_shards, self.sharding
+        call = f"{type(self).__name__}.rows"
 
         def one(x):
             if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
@@ -234,10 +277,17 @@ class AbstractGlobalBuffer(eqx.Module, Generic[_B]):
             x = np.asarray(x)
             if x.ndim == 0 or x.shape[0] % count:
                 raise ValueError(
-                    f"`{type(self).__name__}.rows`: process {jax.process_index()} holds "
+                    f"`{call}`: process {jax.process_index()} holds "
                     f"{plural(count, 'shard')}, and its rows are split into one equal block "
                     f"per shard; a leaf of shape {x.shape} has a leading axis that "
                     f"{count} does not divide."
+                )
+            narrowed = jax.dtypes.canonicalize_dtype(x.dtype)
+            if narrowed != x.dtype:
+                raise TypeError(
+                    f"`{call}`: a leaf has dtype {x.dtype}, which JAX holds as {narrowed} "
+                    "(64-bit mode is off): its values would be cast on the way, unseen. Give "
+                    f"it as {narrowed} (or enable `jax_enable_x64`)."
                 )
             if sharding.is_fully_addressable:  # one process: a plain (faster) placement
                 return jax.device_put(x, sharding)
@@ -259,10 +309,6 @@ class AbstractGlobalBuffer(eqx.Module, Generic[_B]):
             return np.concatenate([blocks[k] for k in sorted(blocks)])
 
         return jax.tree.map(local, self.shards)
-
-    # ------------------------------------------------------------------ sizes
-
-    # ------------------------------------------------------------------ sampling (global)
 
     # ------------------------------------------------------------------ machinery
 
@@ -289,10 +335,19 @@ def _array_leaves(tree: Any) -> list[Any]:
     return [x for x in jax.tree.leaves(tree) if isinstance(x, arrays)]
 
 
-def _check_shard_type(kind: type, kinds: tuple[type, ...], call: str) -> None:
-    if not issubclass(kind, kinds):
-        names = ", ".join(t.__name__ for t in kinds)
-        raise TypeError(f"`{call}`: a shard must be one of {names}; got a {kind.__name__}.")
+def _check_shard(shard: Any, family: type, call: str) -> None:
+    """A shard is a buffer of the family, and no layer over other buffers."""
+    if not isinstance(shard, family):
+        raise TypeError(
+            f"`{call}`: a shard must be a {family.__name__.removeprefix('Abstract')} (a "
+            f"`dx.{family.__name__}`), got a {type(shard).__name__}."
+        )
+    if shard.layered:
+        raise TypeError(
+            f"`{call}`: a shard must be a buffer, not a layer over buffers (a "
+            f"{type(shard).__name__}): its own state would be kept once per shard. Wrap the "
+            "global buffer instead."
+        )
 
 
 def _vmap_make(make: Callable[[], Any], n: int) -> Any:
@@ -339,3 +394,184 @@ def _stack_shape(mesh: Mesh, axis: str | None, make_or_local: Any, name: str) ->
         return x
 
     return jax.tree.map(widen, make_or_local)
+
+
+# ---------------------------------------------------------------------- running on the shards
+#
+# Each function below runs one method on the shards (through `run`: module level, so that an
+# eager call compiles once). Its faults are checked on every device with the same verdict
+# (from numbers every device holds, or gathered), so that a fault raises in every process and
+# none waits in a collective for a process that raised; the only exception is an add, whose
+# rows are each shard's own and which has no collective (see `add_blocks`).
+
+
+def sample_union(
+    layout: Layout,
+    shards: Any,
+    law: AbstractLaw,
+    preds: list[Array],
+    messages: tuple[str, ...],
+    key: PRNGKeyArray,
+    batch_size: int,
+    call: str,
+) -> Any:
+    """A draw by `law` (a shard's) over the union of every shard: each shard's summary is
+    gathered (one all-reduce), every device draws the same rows from the key, each reads the
+    rows its shard owns, and the batch is assembled (a second all-reduce). `preds` are the
+    faults of the call's arguments (with their `messages`), checked with the draw's."""
+    axis, n = layout.axis, layout.num_shards
+    arrays, static = eqx.partition(law, eqx.is_array)
+
+    def local(shard: Any, key: PRNGKeyArray, arrays: Any, preds: list[Array]) -> Any:
+        law = eqx.combine(arrays, static)
+        me = jax.lax.axis_index(axis)
+        summaries = per_shard(law.summary(shard), axis, n)
+        drawn = law.draw(key, batch_size, summaries)
+        rows = assemble(law.read(shard, drawn.at), drawn.owner == me, axis)
+        out = law.finish(rows, drawn, summaries)
+        faults = [*zip(preds, messages), *law.faults(summaries, call)]
+        return check_faults(out, faults, order_reads=False)
+
+    return layout.map(shards, local, (key, arrays, preds), P())
+
+
+def add_blocks(
+    layout: Layout,
+    shards: Any,
+    add: Callable[..., Any],
+    blocks: Any,
+    preds: list[Array],
+    messages: tuple[str, ...],
+    shard_call: str,
+    call: str,
+) -> Any:
+    """`add(shard, *block)` on every shard, block `k` of `blocks` (split over the shards in
+    equal blocks, as `rows` makes them) to shard `k`: no collective. Its faults (an env id of
+    another shard, a repeated one, a full queue, a bad priority), and those of the door
+    (`preds`, one flag per row, split likewise), are each shard's own and raise in the process
+    that holds it, which made those rows."""
+
+    def local(shard: Any, blocks: Any, preds: list[Array]) -> Any:
+        new, found = collect_faults(lambda: add(shard, *blocks))
+        return guarded(new, [*zip(preds, messages), *renamed(found, shard_call, call)])
+
+    return layout.update(shards, local, blocks, preds, sharded=True)
+
+
+def routed_write(
+    layout: Layout,
+    shards: Any,
+    write: Callable[..., Any],
+    note: Callable[..., Any],
+    split: Callable[[Any, Any], tuple[Array, Any]],
+    names: Any,
+    args: Any,
+    mask: Bool[Array, " n"],
+    preds: list[Array],
+    messages: tuple[str, ...],
+    shard_call: str,
+    call: str,
+) -> Any:
+    """`write(shard, local_names, *args, mask=...)` on every shard for the entries it owns
+    (`split(shard, names)`: each entry's shard, and its name there), and `note(...)` of the
+    others (so that every shard's largest priority rises with every entry). The arguments are
+    replicated; each entry is checked by its owner and the verdicts gathered (one all-reduce
+    of a word per fault), so a bad entry raises in every process."""
+    axis = layout.axis
+
+    def local(shard: Any, names: Any, args: Any, mask: Array, preds: list[Array]) -> Any:
+        owner, local_names = split(shard, names)
+        owned = mask & (owner == jax.lax.axis_index(axis))
+        new, found = collect_faults(lambda: write(shard, local_names, *args, mask=owned))
+        new = note(new, local_names, *args, mask=mask & ~owned)
+        faults = replicated_faults(renamed(found, shard_call, call), axis)
+        return guarded(new, [*zip(preds, messages), *faults])
+
+    return layout.update(shards, local, names, args, mask, preds, sharded=False)
+
+
+def routed_query(
+    layout: Layout,
+    shards: Any,
+    ask: Callable[..., Any],
+    split: Callable[[Any, Any], tuple[Array, Any]],
+    names: Any,
+    args: Any,
+    mask: Bool[Array, " n"],
+    preds: list[Array],
+    messages: tuple[str, ...],
+    shard_call: str,
+    call: str,
+) -> Any:
+    """`ask(shard, local_names, *args, mask=...)` on every shard for the entries it owns, the
+    answers put together in every device, with the faults each owner found (one all-reduce
+    for both)."""
+    axis = layout.axis
+
+    def local(shard: Any, names: Any, args: Any, mask: Array, preds: list[Array]) -> Any:
+        owner, local_names = split(shard, names)
+        owned = mask & (owner == jax.lax.axis_index(axis))
+        out, found = collect_faults(lambda: ask(shard, local_names, *args, mask=owned))
+        out, faults = assemble_with_faults(out, owned, renamed(found, shard_call, call), axis)
+        return check_faults(out, [*zip(preds, messages), *faults], order_reads=False)
+
+    return layout.map(shards, local, (names, args, mask, preds), P())
+
+
+def renamed(faults: list[tuple[Array, str]], shard_call: str, call: str) -> list[Fault]:
+    """A shard's faults under the name of the global call that made them: a message that
+    begins with the shard's call quotes the global one instead."""
+    old = f"`{shard_call}`"
+    return [
+        (pred, f"`{call}`{message[len(old) :]}" if message.startswith(old) else message)
+        for pred, message in faults
+    ]
+
+
+class Door(NamedTuple):
+    """What a global method's door found in its arguments: the faults of their values, each
+    a boolean array and its message, to be checked on every device with the method's own."""
+
+    preds: list[Array]
+    messages: tuple[str, ...]
+
+    @staticmethod
+    def of(faults: list[Fault]) -> "Door":
+        preds = [jnp.asarray(pred) for pred, _ in faults]
+        return Door(preds, tuple(message for _, message in faults))
+
+
+def door_floats(
+    values: ArrayLike, call: str, name: str, mask: ArrayLike | None
+) -> tuple[Array, list[Fault]]:
+    """Real `values` (checked in shape by the caller) in the float dtype JAX holds them in
+    (float32 without 64-bit mode), converted from their own dtype at the door of a global
+    call: what a compiled call would otherwise cast on the way in, unseen (an int64 `2**32`
+    wrapped to 0, a float64 past the float32 range made inf). The shards convert them on to
+    their own dtype, with their own checks. The faults are those of a value too large."""
+    dtype = jax.dtypes.canonicalize_dtype(np.float64)
+    return as_float(values, dtype, call, name, mask=mask)
+
+
+def map_rows(layout: Layout, fn: Callable[..., Any], per_shard: Any, shared: Any) -> Any:
+    """`fn(rows, shared, axis, num_shards)` on each device's row of `per_shard`, inside
+    `shard_map`: rows in and out split over the axis, `shared` replicated."""
+    axis, n = layout.axis, layout.num_shards
+    arrays, static = eqx.partition(shared, eqx.is_array)
+
+    def body(per_shard: Any, arrays: Any) -> Any:
+        rows = jax.tree.map(lambda x: x[0], per_shard)
+        return fn(rows, eqx.combine(arrays, static), axis, n)
+
+    mapped = jax.shard_map(  # pyright: ignore[reportAttributeAccessIssue]
+        body,
+        mesh=layout.mesh,
+        in_specs=(P(axis), P()),
+        out_specs=(P(axis), P()),
+        axis_names={axis},
+    )
+    placed = (
+        jax.tree.map(lambda x: place(x, layout.sharding), per_shard),
+        jax.tree.map(lambda x: place(x, NamedSharding(layout.mesh, P())), arrays),
+    )
+    return mapped(*placed)

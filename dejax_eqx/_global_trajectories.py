@@ -2,7 +2,7 @@
 across processes."""
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -11,39 +11,63 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
-from jaxtyping import Array, ArrayLike, Bool, Int, Integer, PRNGKeyArray, PyTree, Real
+from jaxtyping import Array, ArrayLike, Bool, Integer, PRNGKeyArray, PyTree, Real
 
-from ._checks import check_positive_int, plural
+from ._abstract import AbstractTrajectoryBuffer, Source
+from ._checks import (
+    check_index,
+    check_items,
+    check_mask,
+    check_mask_like,
+    check_positive_int,
+    check_sequences,
+    check_vector,
+    INT32_MAX,
+    plural,
+)
 from ._dataset import Dataset
-from ._faults import check_faults
-from ._global import AbstractGlobalBuffer
-from ._global_draws import sample_prioritised_windows, sample_windows
-from ._global_routes import set_window_priorities, stale_windows
-from ._prioritised_trajectory import PrioritisedTrajectoryBuffer
-from ._queue import TrajectoryQueue
-from ._shard_map import compiled
-from ._trajectory import TrajectoryBuffer
+from ._faults import check_faults, collect_faults, Fault
+from ._global import (
+    AbstractGlobalBuffer,
+    add_blocks,
+    Door,
+    door_floats,
+    routed_query,
+    routed_write,
+    sample_union,
+)
+from ._laws import AbstractLaw
+from ._nstep import NStep
+from ._policy_age import PolicyAge
+from ._shard_map import Layout, run
+from ._streams import Streams
+from ._windows import Window
 
 
 _T = TypeVar("_T", bound="GlobalTrajectoryBuffer")
 _B = TypeVar("_B", bound=eqx.Module)
 
 
-class GlobalTrajectoryBuffer(AbstractGlobalBuffer):
-    """A trajectory buffer of `num_shards · shard num_envs` envs whose shards (a
-    `TrajectoryBuffer`, `PrioritisedTrajectoryBuffer` or `TrajectoryQueue` each) live one per
-    device of a mesh axis, also across the processes of a `jax.distributed` program. Each
-    env's stream lives whole on one device.
+class GlobalTrajectoryBuffer(AbstractGlobalBuffer, AbstractTrajectoryBuffer):
+    """A trajectory buffer of `num_shards · shard num_envs` envs whose shards (any trajectory
+    buffer: a `TrajectoryBuffer`, `PrioritisedTrajectoryBuffer`, `TrajectoryQueue`, or one of
+    your own) live one per device of a mesh axis, also across the processes of a
+    `jax.distributed` program. Each env's stream lives whole on one device. It is a
+    trajectory buffer itself (an `AbstractTrajectoryBuffer`: its `streams` are every shard's
+    envs in order), so the layers over trajectory buffers take it as they are
+    (`RateLimited`, `ReplayService`).
 
     - **Adding is local.** `add`/`extend` take every env's steps (or global `env_ids`, each
         block naming envs of its own shard); no collective. A process builds the arguments
         from its own envs with `rows`.
-    - **Sampling is exact and global** (`sample`); a queue's `pop` returns every env's steps,
-        each shard's on its own device.
+    - **Sampling is exact and global** (`sample`, with every option of the shards'
+        `sample`: windows, n-step transitions, sources, policy age); a queue's `pop` returns
+        every env's steps, each shard's on its own device.
     - **Global env ids.** Env `e` of shard `k` is env `k · rows_per_shard + e` (`env_range`);
-        samples name windows by global stamps, which `set_priorities` and `stale` take back.
+        samples name windows by global stamps, which `set_priorities`, `stale`, `read` and
+        `peek` take back, each entry answered by the shard that holds its env.
     - **On disk.** `write_datasets` keeps one `dx.Dataset` per shard, each written by the
-        process that holds it; `load_datasets` reads them onto any number of processes.
+        process that holds it; `load_datasets` reads them back.
 
     !!! Example
 
@@ -65,13 +89,30 @@ class GlobalTrajectoryBuffer(AbstractGlobalBuffer):
     """
 
     @staticmethod
-    def _kinds() -> tuple[type, ...]:
-        return (TrajectoryBuffer, PrioritisedTrajectoryBuffer, TrajectoryQueue)
+    def _family() -> type:
+        return AbstractTrajectoryBuffer
 
     @property
     def rows_per_shard(self) -> int:
         """Each shard's number of envs."""
-        return self.shards.num_envs
+        return self.template.num_envs
+
+    @property
+    def streams(self) -> Streams:
+        """Every shard's streams as one `Streams` of `num_envs` envs, shard 0's first: its
+        arrays are the shards' with their first two axes merged (split over the mesh as the
+        shards are)."""
+        stacked = self.shards.streams
+        merge = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731
+        template = eqx.filter_eval_shape(
+            Streams, self.item_spec, self.num_envs, self.template.max_length
+        )
+        arrays = (
+            jax.tree.map(merge, stacked.data),
+            merge(stacked.step_count),
+            merge(stacked.lengths),
+        )
+        return eqx.tree_at(lambda s: (s.data, s.step_count, s.lengths), template, arrays)
 
     @property
     def num_envs(self) -> int:
@@ -79,143 +120,256 @@ class GlobalTrajectoryBuffer(AbstractGlobalBuffer):
         return self.num_shards * self.rows_per_shard
 
     @property
-    def num_windows(self) -> Int[Array, ""]:
-        """A `PrioritisedTrajectoryBuffer`'s number of admissible windows, over every shard."""
-        if not isinstance(self.shards, PrioritisedTrajectoryBuffer):
-            raise TypeError(
-                f"`GlobalTrajectoryBuffer.num_windows`: {type(self.shards).__name__} shards "
-                "have no windows of their own."
-            )
-        return jnp.sum(jax.vmap(lambda b: b.num_windows)(self.shards), dtype=jnp.int32)
+    def max_length(self) -> int:
+        return self.template.max_length
+
+    @property
+    def item_spec(self) -> PyTree[jax.ShapeDtypeStruct]:
+        return self.template.item_spec
 
     def env_range(self, shard: int) -> range:
         """The global env ids of `shard`."""
         k = self.rows_per_shard
         return range(shard * k, (shard + 1) * k)
 
-    @compiled
     def add(
         self: _T, items: PyTree[ArrayLike], env_ids: Integer[ArrayLike, " n"] | None = None
     ) -> _T:
-        """The shards' `add`: one step per listed env, each shard storing its own
-        block. With `env_ids=None`, `items` holds every env (`num_envs` rows) in order;
-        otherwise `n = num_shards · m` rows and global env ids, the `m` of block `k` all envs
-        of shard `k` (`env_range(k)`). No collective.
+        """The shards' `add`: one step per listed env, each shard storing its own block.
+        With `env_ids=None`, `items` holds every env (`num_envs` rows) in order; otherwise
+        `n = num_shards · m` rows and global env ids, the `m` of block `k` all envs of shard
+        `k` (`env_range(k)`). No collective.
 
-        **Raises:** `ValueError` at once if `num_shards` does not divide the rows; an
-        `eqx.error_if` error if an env id of block `k` is not an env of shard `k` (a process
-        adding to envs it does not own), and what the shards' own `add` raises.
+        **Raises:** `ValueError`/`TypeError` at once if `num_shards` does not divide the
+        rows, or for items the shards refuse; an `eqx.error_if` error, in the process that
+        holds the shard, if an env id of block `k` is not an env of shard `k` (a process
+        adding to envs it does not own), and for what the shards' own `add` raises.
         """
-        return self._append(items, env_ids, "GlobalTrajectoryBuffer.add", lambda b, *a: b.add(*a))
+        call = "GlobalTrajectoryBuffer.add"
+        items, _ = check_items(self.item_spec, items, call, batched=True)
+        return self._append(items, env_ids, call, "add", _add)
 
-    @compiled
     def extend(
         self: _T, items: PyTree[ArrayLike], env_ids: Integer[ArrayLike, " n"] | None = None
     ) -> _T:
         """The shards' `extend` (`T` steps per listed env), split as `add`."""
-        return self._append(
-            items, env_ids, "GlobalTrajectoryBuffer.extend", lambda b, *a: b.extend(*a)
+        call = "GlobalTrajectoryBuffer.extend"
+        items = check_sequences(self.item_spec, items, call)
+        return self._append(items, env_ids, call, "extend", _extend)
+
+    def with_streams(self: _T, streams: Streams) -> _T:
+        """The shards' `with_streams`, shard `k` taking envs `env_range(k)` of `streams`."""
+        call = "GlobalTrajectoryBuffer.with_streams"
+        streams = self._check_streams(streams, call)
+        n, k = self.num_shards, self.rows_per_shard
+        blocks = jax.tree.map(
+            lambda x: x.reshape(n, k, *x.shape[1:]) if eqx.is_array(x) else x, streams
+        )
+        arrays, static = eqx.partition(blocks, eqx.is_array)
+        shard_call = f"{type(self.template).__name__}.with_streams"
+        args = (_WithStreams(static), (arrays,), [], (), shard_call, call)
+        return eqx.tree_at(
+            lambda g: g.shards, self, run(add_blocks, self.layout, self.shards, *args)
         )
 
-    @compiled
-    def pop(self: _T, sequence_length: int) -> tuple[PyTree[Array], _T]:
-        """A `TrajectoryQueue`'s `pop`: the `sequence_length` oldest unread steps of every env.
+    # --- sampling ---------------------------------------------------------------------
 
-        **Returns:** `(items, buffer)`; `items` has the layout of a single queue's,
-        `(num_envs, sequence_length, ...)`, its env axis split over the shards as the buffer's
-        (each shard's steps stay on its device).
-
-        **Raises:** as `TrajectoryQueue.pop`, in every process when any env is short (one
-        all-reduce of a boolean).
-        """
-        call = "GlobalTrajectoryBuffer.pop"
-        if not isinstance(self.shards, TrajectoryQueue):
-            raise TypeError(f"`{call}`: {type(self.shards).__name__} shards are not queues.")
-        length = check_positive_int(
-            sequence_length, f"{call}(sequence_length=...)", maximum=self.shards.max_length
+    def law(
+        self,
+        what: Window | NStep | None = None,
+        *,
+        distribution_power: Real[ArrayLike, ""] | None = None,
+        source: Source | Mapping[Source, int] | None = None,
+        discount: Real[ArrayLike, ""] | None = None,
+        beta: Real[ArrayLike, ""] | None = None,
+        age: PolicyAge | None = None,
+        call: str = "GlobalTrajectoryBuffer.law",
+    ) -> tuple[AbstractLaw, list[Fault]]:
+        """A global buffer draws by its shards' law over all of them (`sample`); it is not
+        itself a shard. **Raises:** `TypeError` at once."""
+        raise TypeError(
+            f"`{call}`: a GlobalTrajectoryBuffer draws by its shards' law over all of them; "
+            "it cannot be a shard of another buffer."
         )
-        axis = self.axis
 
-        def local(queue: TrajectoryQueue):
-            short = jax.lax.psum(jnp.any(queue.unread < length).astype(jnp.int32), axis) > 0
-            fault = (
-                short,
-                f"`{call}`: an env holds fewer than {plural(length, 'unread step')}; pop once "
-                "`can_pop(sequence_length)` holds",
-            )
-            queue = check_faults(queue, [fault])
-            items, queue = queue.pop(length)
-            return items, queue
+    def sample(
+        self,
+        key: PRNGKeyArray,
+        batch_size: int,
+        what: Window | NStep | None = None,
+        *,
+        distribution_power: Real[ArrayLike, ""] | None = None,
+        source: Source | Mapping[Source, int] | None = None,
+        discount: Real[ArrayLike, ""] | None = None,
+        beta: Real[ArrayLike, ""] | None = None,
+        age: PolicyAge | None = None,
+    ) -> Any:
+        """Rows drawn by the shards' law over the whole buffer, with replacement, with the
+        arguments and in the form of the shards' own `sample` (see
+        `AbstractTrajectoryBuffer.sample`):
 
-        items, shards = self.layout.map(self.shards, local, (), P(axis), module=True)
-        return items, eqx.tree_at(lambda g: g.shards, self, shards)
+        - `TrajectoryBuffer` shards: windows (every `Window` option) or n-step transitions by
+            the start weights of every env of every shard: the rows a single buffer of
+            `num_envs` envs draws with the same key; `env` is the global env. Every `source`,
+            a mapping of sources included.
+        - `PrioritisedTrajectoryBuffer` shards: `P ∝ p ** α` over the windows of every shard,
+            i.i.d. or stratified over the global total; `indices` global (`shard · shard
+            leaves + leaf`), `env` global, `weights` from the global number of windows.
+        - with `age`: the shards' aged law over every shard's candidates together.
 
-    def can_pop(self, sequence_length: int) -> Bool[Array, ""]:
-        """Whether every env of every shard holds `sequence_length` unread steps."""
-        return jnp.all(jax.vmap(lambda q: q.can_pop(sequence_length))(self.shards))
-
-    @compiled
-    def sample(self, key: PRNGKeyArray, batch_size: int, *args: Any, **kwargs: Any) -> Any:
-        """Windows drawn from the law of the whole buffer, with replacement, with the
-        arguments and in the form of the shards' own `sample`:
-
-        - `TrajectoryBuffer` (`window`, `distribution_power=`, `source=`): windows by the
-            global start weights: the windows a single buffer of `num_envs` envs draws with
-            the same key; `env` is the global env.
-        - `PrioritisedTrajectoryBuffer` (`beta=`): `P ∝ p ** α` over the windows of every
-            shard, i.i.d. or stratified over the global total; `indices` global (`shard ·
-            shard leaves + leaf`), `env` global, `weights` from the global number of windows.
-
-        Besides the shards' own reads, it costs one all-reduce of two numbers per env (a
-        `TrajectoryBuffer`) or per shard (prioritised), and one of the batch. The key is
-        replicated; the batch is the same on every device.
+        Besides the shards' own reads, it costs one all-reduce of the shards' summaries (two
+        numbers per env, or a few per shard) and one of the batch. The key is replicated;
+        the batch is the same on every device.
 
         **Raises:** as the shards' `sample`, about the whole buffer, in every process.
         """
         call = "GlobalTrajectoryBuffer.sample"
         batch_size = check_positive_int(batch_size, f"{call}(batch_size=...)")
-        shard = self.shards
-        if isinstance(shard, TrajectoryBuffer):
-            return sample_windows(self.layout, call, shard, key, batch_size, *args, **kwargs)
-        if isinstance(shard, PrioritisedTrajectoryBuffer):
-            return sample_prioritised_windows(
-                self.layout, call, shard, key, batch_size, *args, **kwargs
-            )
-        raise TypeError(f"`{call}`: a {type(shard).__name__} is read with `pop`.")
+        law, faults = self.template.law(
+            what,
+            distribution_power=distribution_power,
+            source=source,
+            discount=discount,
+            beta=beta,
+            age=age,
+            call=call,
+        )
+        door = Door.of(faults)
+        args = (law, door.preds, door.messages, key, batch_size, call)
+        return run(sample_union, self.layout, self.shards, *args)
 
-    @compiled
+    def pop(self: _T, sequence_length: int) -> tuple[PyTree[Array], _T]:
+        """The shards' `pop`: the `sequence_length` oldest unread steps of every env.
+
+        **Returns:** `(items, buffer)`; `items` has the layout of a single queue's,
+        `(num_envs, sequence_length, ...)`, its env axis split over the shards as the buffer's
+        (each shard's steps stay on its device).
+
+        **Raises:** `TypeError` at once for shards that are not read once; as the shards'
+        `pop`, in every process when any env is short (one all-reduce of a word).
+        """
+        call = "GlobalTrajectoryBuffer.pop"
+        template = self.template
+        # A buffer that is not read once says so here, at once.
+        eqx.filter_eval_shape(lambda q: q.can_pop(1), template)
+        length = check_positive_int(
+            sequence_length, f"{call}(sequence_length=...)", maximum=template.max_length
+        )
+        shard_call = f"{type(template).__name__}.pop"
+        items, shards = run(_pop, self.layout, self.shards, length, shard_call, call)
+        return items, eqx.tree_at(lambda g: g.shards, self, shards)
+
+    def can_pop(self, length: int) -> Bool[Array, ""]:
+        """Whether every env of every shard holds `length` unread steps."""
+        return jnp.all(eqx.filter_vmap(lambda q: q.can_pop(length))(self.shards))
+
+    # --- stamps: each entry answered by the shard that holds its env --------------------
+
     def set_priorities(
         self: _T,
         env_ids: Integer[ArrayLike, " n"],
         starts: Integer[ArrayLike, " n"],
         priorities: Real[ArrayLike, " n"],
+        *,
+        mask: Bool[ArrayLike, " n"] | None = None,
     ) -> _T:
-        """`PrioritisedTrajectoryBuffer.set_priorities` with global env ids: each entry is
-        applied by the shard of its env, and a stale window's entry is dropped. Every shard's
-        largest recorded priority rises with every entry, as a single buffer's. The
-        arguments are replicated: every device reads them all.
+        """The shards' `set_priorities` with global env ids: each entry is applied by the
+        shard of its env, and a stale window's entry is dropped. Every shard's largest
+        recorded priority rises with every entry, as a single buffer's. The arguments are
+        replicated: every device reads them all.
 
-        **Raises:** an `eqx.error_if` error, in every process, for a stamp this buffer cannot
-        have given or a priority that is negative or not finite.
+        **Raises:** `TypeError` at once for shards without priorities; an `eqx.error_if`
+        error, in every process, for a stamp this buffer cannot have given or a priority
+        that is negative or not finite.
         """
         call = "GlobalTrajectoryBuffer.set_priorities"
-        if not isinstance(self.shards, PrioritisedTrajectoryBuffer):
-            raise TypeError(f"`{call}`: {type(self.shards).__name__} shards have no priorities.")
-        shards = set_window_priorities(self.layout, call, self.shards, env_ids, starts, priorities)
-        return eqx.tree_at(lambda g: g.shards, self, shards)
+        env, starts, n, door = self._stamps(env_ids, starts, call)
+        valid = _mask_of(mask, n, call)
+        values = check_vector(priorities, n, call, "priorities")
+        priorities, more = door_floats(values, call, "priorities", None if mask is None else valid)
+        args = (_set, _note, _split_envs, env, (starts, priorities), valid, *Door.of(door + more))
+        shard_call = f"{type(self.template).__name__}.set_priorities"
+        out = run(routed_write, self.layout, self.shards, *args, shard_call, call)
+        return eqx.tree_at(lambda g: g.shards, self, out)
 
-    @compiled
     def stale(
-        self, env_ids: Integer[ArrayLike, " n"], starts: Integer[ArrayLike, " n"]
-    ) -> Bool[Array, " n"]:
+        self,
+        env_ids: Integer[ArrayLike, "*n"],
+        starts: Integer[ArrayLike, "*n"],
+        *,
+        mask: Bool[ArrayLike, "*n"] | None = None,
+    ) -> Bool[Array, "*n"]:
         """Whether the windows named by global stamps `(env_ids, starts)` have lost steps
-        since: the entries `set_priorities` drops. Replicated; it gathers two numbers per env.
+        since: the entries `set_priorities` drops. Replicated; one all-reduce of a word per
+        entry.
 
         **Raises:** an `eqx.error_if` error, in every process, for an env id out of range or
         a start its env has not taken.
         """
-        call = "GlobalTrajectoryBuffer.stale"
-        return stale_windows(self.layout, self.shards, env_ids, starts, call)
+        return self._ask(_stale, "stale", env_ids, starts, mask)[0]
+
+    def read(
+        self,
+        env_ids: Integer[ArrayLike, " n"],
+        starts: Integer[ArrayLike, " n"],
+        window: Window,
+        *,
+        mask: Bool[ArrayLike, " n"] | None = None,
+    ) -> Any:
+        """The shards' `read` with global stamps: each window read again by the shard of its
+        env, and put together in every device (one all-reduce of the windows)."""
+        out, env = self._ask(_Read(window), "read", env_ids, starts, mask)
+        return out._replace(env=env)
+
+    def peek(
+        self,
+        env_ids: Integer[ArrayLike, "*n"] | None = None,
+        *,
+        mask: Bool[ArrayLike, "*n"] | None = None,
+    ) -> PyTree[Array]:
+        """The newest step of each listed env (global ids; `None`: every env), read by the
+        shard of its env and put together in every device."""
+        if env_ids is None:
+            env_ids = jnp.arange(self.num_envs, dtype=jnp.int32)
+        starts = jnp.zeros(jnp.shape(env_ids), jnp.int32)
+        return self._ask(_peek, "peek", env_ids, starts, mask)[0]
+
+    def _ask(
+        self, ask: Callable[..., Any], method: str, env_ids: Any, starts: Any, mask: Any
+    ) -> tuple[Any, Array]:
+        """`ask` on the shard of each entry's env, and the checked global env ids."""
+        call = f"GlobalTrajectoryBuffer.{method}"
+        env, starts, n, door = self._stamps(env_ids, starts, call, flat=False)
+        shape = env.shape
+        valid = jnp.ones(shape, jnp.bool_) if mask is None else check_mask_like(mask, env, call)
+        flat = (env.reshape(-1), starts.reshape(-1), valid.reshape(-1))
+        shard_call = f"{type(self.template).__name__}.{method}"
+        args = (ask, _split_envs, flat[0], (flat[1],), flat[2], *Door.of(door))
+        out = run(routed_query, self.layout, self.shards, *args, shard_call, call)
+        return jax.tree.map(lambda x: x.reshape(*shape, *x.shape[1:]), out), env
+
+    def _stamps(
+        self, env_ids: Any, starts: Any, call: str, *, flat: bool = True
+    ) -> tuple[Array, Array, int, list[Fault]]:
+        """Global stamps, checked in their own dtype (never wrapped on the way to int32),
+        their number, and the faults of an env id out of range."""
+        ndim = 1 if flat else None
+        env, bad = check_index(env_ids, self.num_envs, f"{call}(env_ids=...)", ndim=ndim)
+        start, bad_start = check_index(starts, INT32_MAX, f"{call}(starts=...)", ndim=ndim)
+        if env.shape != start.shape:
+            raise ValueError(
+                f"`{call}`: `env_ids` has shape {env.shape} and `starts` {start.shape}; they "
+                "must match, one start per env id."
+            )
+        faults: list[Fault] = [
+            (bad, f"`{call}`: an env id is outside [0, num_envs) = [0, {self.num_envs})"),
+            (
+                ~bad & bad_start,
+                f"`{call}`: a start is not a step of its env (negative, or not yet taken); "
+                "stamps must come from this buffer",
+            ),
+        ]
+        return jnp.where(bad, 0, env), start, int(np.prod(env.shape)), faults
 
     def write_datasets(
         self, root: str | os.PathLike, *, chunk_length: int = 1024, sync: bool = True
@@ -285,35 +439,112 @@ class GlobalTrajectoryBuffer(AbstractGlobalBuffer):
         local = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *shards)
         return cls.from_process_local(mesh, local, axis=template.axis)
 
-    def _append(self: _T, items, env_ids, call: str, fn) -> _T:
-        items = jax.tree.map(jnp.asarray, items)
-        k = self.rows_per_shard
+    def _append(
+        self: _T, items: PyTree[Array], env_ids: Any, call: str, method: str, fn: Any
+    ) -> _T:
+        k, n = self.rows_per_shard, self.num_shards
+        shard_call = f"{type(self.template).__name__}.{method}"
         if env_ids is None:
             for x in jax.tree.leaves(items):
-                if x.ndim == 0 or x.shape[0] != self.num_envs:
+                if x.shape[0] != self.num_envs:
                     raise ValueError(
                         f"`{call}`: with `env_ids=None`, each leaf of `items` needs a leading "
-                        f"axis of num_envs = {self.num_envs} ({self.num_shards} shards of {k} "
-                        f"envs); got shape {x.shape}."
+                        f"axis of num_envs = {self.num_envs} ({n} shards of {k} envs); got "
+                        f"shape {x.shape}."
                     )
-            return self._update(fn, items)
-        ids = jnp.asarray(env_ids)
-        self._split(ids, call)
-        self._split(items, call)
-        axis = self.axis
-
-        def local(buffer, items, ids):
-            first = jax.lax.axis_index(axis) * k
-            foreign = (ids < first) | (ids >= first + k)
-            fault = (
-                foreign,
-                f"`{call}`: rows of block s of `env_ids` must name envs of shard s "
-                f"(s · {k} <= env id < (s + 1) · {k}); a process adds only to its own envs",
+            args = (fn, (items, None), [], (), shard_call, call)
+            return eqx.tree_at(
+                lambda g: g.shards, self, run(add_blocks, self.layout, self.shards, *args)
             )
-            ids = check_faults(ids - first, [fault])
-            return fn(buffer, items, ids)
+        ids, bad = check_index(env_ids, self.num_envs, f"{call}(env_ids=...)", ndim=1)
+        self._split((items, ids), call)
+        # Block s must name envs of shard s: checked where the block lands, in the process
+        # that holds the shard, which made those rows.
+        block = ids.shape[0] // n
+        shard = jnp.repeat(jnp.arange(n, dtype=jnp.int32), block)
+        local = ids - shard * k
+        foreign = ~bad & ((local < 0) | (local >= k))
+        door: list[Fault] = [
+            (bad, f"`{call}`: an env id is outside [0, num_envs) = [0, {self.num_envs})"),
+            (
+                foreign,
+                f"`{call}`: rows of block s of `env_ids` must name envs of shard s (s · {k} "
+                f"<= env id < (s + 1) · {k}); a process adds only to its own envs",
+            ),
+        ]
+        local = jnp.where(bad | foreign, k, local)  # out of range for the shard: dropped
+        args = (fn, (items, local), *Door.of(door), shard_call, call)
+        return eqx.tree_at(
+            lambda g: g.shards, self, run(add_blocks, self.layout, self.shards, *args)
+        )
 
-        return self._update(local, items, ids)
+
+class _WithStreams(eqx.Module):
+    """`with_streams` on a shard, from its block of the streams' arrays."""
+
+    static: Any = eqx.field(static=True)
+
+    def __call__(self, shard: AbstractTrajectoryBuffer, arrays: Any) -> Any:
+        return shard.with_streams(eqx.combine(arrays, self.static))
+
+
+class _Read(eqx.Module):
+    """`read` on a shard with a window (static)."""
+
+    window: Window
+
+    def __call__(self, shard: Any, env: Array, starts: Array, *, mask: Array) -> Any:
+        return shard.read(env, starts, self.window, mask=mask)
+
+
+def _add(shard: Any, items: Any, env_ids: Any) -> Any:
+    return shard.add(items, env_ids)
+
+
+def _extend(shard: Any, items: Any, env_ids: Any) -> Any:
+    return shard.extend(items, env_ids)
+
+
+def _split_envs(shard: AbstractTrajectoryBuffer, env: Array) -> tuple[Array, Array]:
+    return shard.split_envs(env)
+
+
+def _set(shard: Any, env: Array, starts: Array, priorities: Array, *, mask: Array) -> Any:
+    return shard.set_priorities(env, starts, priorities, mask=mask)
+
+
+def _note(shard: Any, env: Array, starts: Array, priorities: Array, *, mask: Array) -> Any:
+    return shard.note_priorities(env, starts, priorities, mask=mask)
+
+
+def _stale(shard: Any, env: Array, starts: Array, *, mask: Array) -> Array:
+    return shard.stale(env, starts, mask=mask)
+
+
+def _peek(shard: Any, env: Array, starts: Array, *, mask: Array) -> Any:
+    return shard.peek(env, mask=mask)
+
+
+def _mask_of(mask: Any, n: int, call: str) -> Array:
+    return jnp.ones(n, jnp.bool_) if mask is None else check_mask(mask, n, call)
+
+
+def _pop(layout: Layout, shards: Any, length: int, shard_call: str, call: str) -> Any:
+    """Every shard's `pop`, refused in every process if any env is short (one all-reduce)."""
+    axis = layout.axis
+
+    def local(queue: AbstractTrajectoryBuffer) -> Any:
+        short = jax.lax.psum((~queue.can_pop(length)).astype(jnp.int32), axis) > 0
+        fault = (
+            short,
+            f"`{call}`: an env holds fewer than {plural(length, 'unread step')}; pop once "
+            "`can_pop(sequence_length)` holds",
+        )
+        # The queue's own fault is this one, found in its shard alone: raised everywhere above.
+        (items, queue), _ = collect_faults(lambda: queue.pop(length))
+        return check_faults(items, [fault], order_reads=False), queue
+
+    return layout.map(shards, local, (), P(axis), module=True)
 
 
 def _shard_name(shard: int) -> str:

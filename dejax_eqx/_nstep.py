@@ -21,11 +21,10 @@ from typing import Any, NamedTuple
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree, Shaped
+from jaxtyping import Array, Bool, Float, Int, PyTree, Shaped
 
 from ._checks import check_leaf, check_positive_int, LeafName, pick_leaf
 from ._deprecated import as_options
-from ._sequences import draw_starts, Law
 from ._streams import gather_at, Streams, window_slots
 
 
@@ -190,24 +189,18 @@ def n_step(
     return NStepReturns(returns, discount, taken)
 
 
-def draw_transitions(
-    key: PRNGKeyArray,
+def read_transitions(
     streams: Streams,
-    lengths: Int[Array, " num_envs"],
-    batch_size: int,
+    env: Int[Array, " batch"],
+    back: Int[Array, " batch"],
     nstep: NStep,
     gamma: Float[Array, ""],
 ) -> Transitions:
-    """`batch_size` transitions drawn uniformly over the steps of windows of `lengths` (ending
-    at each env's newest step) whose `n` following steps are stored: the strict law of `n + 1`
-    steps, so the newest `n` steps of a stream wait. Only the reward and end leaves are read
-    for the `n` steps, then the first and the bootstrap step. Unchecked: no env may lack such
-    a step (else the result is meaningless)."""
+    """The transitions that start at the `back`-th newest step of each `env` (`back` in
+    `[n + 1, max_length]` for a transition whose `n` following steps are stored). Only the
+    reward and end leaves are read for the `n` steps, then the first and the bootstrap step.
+    Unchecked."""
     n = nstep.n
-    zeros = jnp.zeros_like(lengths)
-    law, power = Law(n + 1, strict=True), jnp.zeros((), jnp.float32)
-    env, back, _ = draw_starts(key, lengths, zeros, batch_size, law, power)
-
     # The slots of the n + 1 steps from the start: the rewards and end flags of the first n
     # are gathered, then only the first step and the one to bootstrap from.
     slots = window_slots(streams, env, back, n + 1)

@@ -115,6 +115,22 @@ class Priorities(eqx.Module):
             max_priority = self.max_priority
         return eqx.tree_at(lambda p: (p.tree, p.max_priority), self, (tree, max_priority))
 
+    def noted(
+        self: _P, priorities: Real[ArrayLike, " n"], mask: Bool[Array, " n"] | None = None
+    ) -> _P:
+        """`max_priority` raised by `priorities` (where `mask` holds) as `prepare` raises it,
+        and nothing written: for priorities set on another buffer of a union. Entries that
+        are not finite and non-negative raise nothing (the buffer that sets them reports
+        them)."""
+        dtype = self.max_priority.dtype
+        values = jnp.asarray(priorities)
+        valid = jnp.isfinite(values) & (values >= 0)
+        if mask is not None:
+            valid = valid & mask
+        values = jnp.where(valid, values, 0).astype(dtype)
+        top = jnp.maximum(self.max_priority, jnp.max(values, initial=0))
+        return eqx.tree_at(lambda p: p.max_priority, self, top)
+
     def draw(
         self, key: PRNGKeyArray, batch_size: int
     ) -> tuple[Int[Array, " batch"], Float[Array, " batch"]]:

@@ -11,7 +11,6 @@ from jaxtyping import (
     Bool,
     Float,
     Int,
-    Integer,
     PRNGKeyArray,
     PyTree,
     Real,
@@ -19,7 +18,7 @@ from jaxtyping import (
     UInt32,
 )
 
-from ._abstract import AbstractPrioritisedReplay
+from ._abstract import AbstractPrioritisedReplay, Indices
 from ._checks import (
     as_prototype,
     check_fn_output,
@@ -33,18 +32,29 @@ from ._checks import (
     Prototype,
 )
 from ._deprecated import renamed
-from ._faults import check_faults
-from ._priorities import check_beta, HasPriorities, Priorities
-from ._staleness import AgedSample, draw_items_by_age, PolicyAge
+from ._faults import check_faults, Fault
+from ._laws import (
+    AbstractEnumerableLaw,
+    AbstractLaw,
+    Candidates,
+    Draw,
+    float_targets,
+    in_union,
+    locate,
+    probability,
+)
+from ._policy_age import aged, PolicyAge
+from ._priorities import check_beta, HasPriorities, mass_faults, Priorities
 from ._storage import (
     apply,
     check_batch,
     CircularBuffer,
     gather_slots,
+    stored_mask,
     write,
     write_batch,
 )
-from ._sum_tree import MAX_CAPACITY
+from ._sum_tree import find_leaves, MAX_CAPACITY
 
 
 _P = TypeVar("_P", bound="PrioritisedReplay")
@@ -254,7 +264,7 @@ class PrioritisedReplay(AbstractPrioritisedReplay, HasPriorities):
 
     def set_priorities(
         self: _P,
-        indices: Integer[ArrayLike, " n"],
+        indices: Indices,
         priorities: Real[ArrayLike, " n"],
         *,
         mask: Bool[ArrayLike, " n"] | None = None,
@@ -287,8 +297,25 @@ class PrioritisedReplay(AbstractPrioritisedReplay, HasPriorities):
         new = self.priorities.write(slots, masses, top, mask=mask)
         return eqx.tree_at(lambda r: r.priorities, self, new)
 
+    def note_priorities(
+        self: _P,
+        indices: Indices,
+        priorities: Real[ArrayLike, " n"],
+        *,
+        mask: Bool[ArrayLike, " n"] | None = None,
+    ) -> _P:
+        call = "PrioritisedReplay.note_priorities"
+        n = check_index(indices, self.max_size, f"{call}(indices=...)", ndim=1)[0].shape[0]
+        priorities = check_vector(priorities, n, call, "priorities")
+        valid = None if mask is None else check_mask(mask, n, call)
+        return eqx.tree_at(lambda r: r.priorities, self, self.priorities.noted(priorities, valid))
+
     def stale(
-        self, indices: Integer[ArrayLike, " n"], generations: UInt32[ArrayLike, " n"]
+        self,
+        indices: Indices,
+        generations: UInt32[ArrayLike, " n"],
+        *,
+        mask: Bool[ArrayLike, " n"] | None = None,
     ) -> Bool[Array, " n"]:
         """Which sampled slots have been written since they were sampled.
 
@@ -296,6 +323,8 @@ class PrioritisedReplay(AbstractPrioritisedReplay, HasPriorities):
 
         - `indices`: integer array of shape `(n,)`, slots as `sample` returned them.
         - `generations`: uint32 array of shape `(n,)`, the `generations` of the same sample.
+        - `mask`: optional boolean array of shape `(n,)`: only the entries where it is `True`
+            are checked and answered (the others answer `False`).
 
         **Returns:** a boolean array of shape `(n,)`, `True` where the slot holds a newer item
         than the one sampled: the entries `set_priorities(..., generations=...)` ignores.
@@ -306,12 +335,18 @@ class PrioritisedReplay(AbstractPrioritisedReplay, HasPriorities):
         """
         call = "PrioritisedReplay.stale"
         slots, bad = check_index(indices, self.max_size, f"{call}(indices=...)", ndim=1)
-        generations = check_generations(generations, slots.shape[0], call)
+        n = slots.shape[0]
+        generations = check_generations(generations, n, call)
+        bad = bad | (slots >= self.storage.size)
+        out = ~self._current(slots, generations)
+        if mask is not None:
+            valid = check_mask(mask, n, call)
+            bad, out = bad & valid, out & valid
         return check_faults(
-            ~self._current(slots, generations),
+            out,
             [
                 (
-                    bad | (slots >= self.storage.size),
+                    bad,
                     f"`{call}`: index out of range; every index must satisfy 0 <= index < "
                     "size (a stored slot)",
                 )
@@ -324,76 +359,91 @@ class PrioritisedReplay(AbstractPrioritisedReplay, HasPriorities):
         # Out-of-range slots (`max_size`) read generation 0: the caller reports them.
         return jnp.take(self.generations, slots, mode="fill", fill_value=0) == generations
 
-    def sample(self, key: PRNGKeyArray, batch_size: int) -> PrioritisedSample:
-        """Draw `batch_size` stored items with probabilities `P(i)`, with replacement.
-
-        **Arguments:**
-
-        - `key`: a JAX PRNG key.
-        - `batch_size`: a positive Python int (static).
-
-        **Returns:** a `PrioritisedSample` of `items`, `indices`, `probabilities` and
-        `generations`.
-
-        **Raises:** an `eqx.error_if` error if the replay is empty, if every stored priority is
-        zero, or if the total mass `Σ p ** α` overflows the tree's dtype.
-        """
-        call = "PrioritisedReplay.sample"
-        batch_size = check_positive_int(batch_size, f"{call}(batch_size=...)")
-        empty = (self.storage.size == 0, f"`{call}`: cannot sample from an empty PrioritisedReplay")
-        faults = [empty, *self.priorities.sample_faults(call, "item")]
-        return check_faults(self.sample_unchecked(key, batch_size), faults, order_reads=False)
-
-    def sample_by_age(
+    def law(
         self,
-        key: PRNGKeyArray,
-        batch_size: int,
-        age: PolicyAge,
         *,
-        beta: Real[ArrayLike, ""] = 1.0,
-    ) -> AgedSample:
-        """Draw `batch_size` stored items, with replacement, among those of policy age at
-        most `age.max_age`, with `P(i) ∝ p_i ** α`, times `1 / (age + 1)` for
-        `age.decay="inverse"` (see `PolicyAge`); i.i.d. or stratified, as `sample`.
-
-        Enumerates the slots: O(max_size) per call, where `sample` is O(batch · log
-        max_size).
-
-        **Arguments:**
-
-        - `key`, `batch_size`: as for `sample`.
-        - `age`: a `PolicyAge`.
-        - `beta`: the importance-weight exponent `β >= 0` (default 1; may be traced).
-
-        **Returns:** an `AgedSample` `(items, indices, ages, probabilities, weights,
-        generations)`: pass `indices` and `generations` to `set_priorities` as those of
-        `sample`. `weights` are `(q_i / P_i) ** β / max` toward the age-weighted target `q`:
-        `importance_weights(probabilities, size, beta)` when nothing is excluded and
-        `decay=None`.
-
-        **Raises:** as `sample`, and an `eqx.error_if` error if a stored version is greater
-        than `age.current` or negative, if every item of positive priority is older than
-        `max_age`, or if `beta` is negative or not finite.
-        """
-        call = "PrioritisedReplay.sample_by_age"
-        batch_size = check_positive_int(batch_size, f"{call}(batch_size=...)")
-        beta, beta_faults = check_beta(beta, call, self.priorities.max_priority.dtype)
-        draw, faults = draw_items_by_age(
-            key, batch_size, age, self.storage, self.priorities, beta=beta, call=call
-        )
-        slots = draw.indices
-        out = AgedSample(gather_slots(self.storage, slots), *draw, self.generations[slots])
-        empty = (self.storage.size == 0, f"`{call}`: cannot sample from an empty PrioritisedReplay")
-        faults = [empty, *self.priorities.sample_faults(call, "item"), *faults, *beta_faults]
-        return check_faults(out, faults, order_reads=False)
-
-    def sample_unchecked(self, key: PRNGKeyArray, batch_size: int) -> PrioritisedSample:
-        slots, probabilities = self.priorities.draw(key, batch_size)
-        return PrioritisedSample(
-            gather_slots(self.storage, slots), slots, probabilities, self.generations[slots]
-        )
+        age: PolicyAge | None = None,
+        beta: Real[ArrayLike, ""] | None = None,
+        call: str = "PrioritisedReplay.law",
+    ) -> tuple[AbstractLaw, list[Fault]]:
+        """`P(i) = p_i ** α / Σ_k p_k ** α`, i.i.d. or stratified; `sample` returns a
+        `PrioritisedSample` (items, slots, probabilities, generations). With `age`, the
+        same law times each item's age weight (an `AgedSample`, whose weights correct the
+        priorities toward the age-weighted target with exponent `beta`, default 1). Faults:
+        nothing stored, every stored priority 0, a total mass that is not finite."""
+        base = PrioritisedLaw(self.max_size, self.priorities.stratified)
+        if age is None:
+            if beta is not None:
+                raise TypeError(
+                    f"`{call}(beta=...)` sets the importance weights of an aged sample; a "
+                    "plain sample returns probabilities: weigh them with "
+                    "`dx.importance_weights`. Give `age` too, or leave `beta` out."
+                )
+            return base, []
+        dtype = self.priorities.max_priority.dtype
+        beta, faults = check_beta(1.0 if beta is None else beta, call, dtype)
+        stratified = self.priorities.stratified
+        return aged(base, self, age, beta, stratified=stratified, noun="item", call=call), faults
 
     def update(self: _P, fn: Callable[[PyTree[Array]], PyTree[Array]]) -> _P:
         """Apply `fn(item) -> item` to every stored item; priorities are unchanged."""
         check_fn_output(self.item_spec, fn, "PrioritisedReplay.update")
         return eqx.tree_at(lambda r: r.storage, self, apply(self.storage, fn))
+
+
+class PrioritisedLaw(AbstractEnumerableLaw):
+    """A `PrioritisedReplay`'s law: each stored item in proportion to its mass `p ** α`.
+    Over a union of replays, in proportion to its mass over their total: the targets of
+    the union's total, each found in the tree of the replay whose slice holds it."""
+
+    max_size: int = eqx.field(static=True)
+    stratified: bool = eqx.field(static=True)
+
+    def summary(self, buffer: PrioritisedReplay) -> PyTree[Array]:
+        return buffer.storage.size, buffer.priorities.tree.total
+
+    def draw(self, key: PRNGKeyArray, batch_size: int, summaries: PyTree[Array]) -> Draw:
+        _, totals = summaries
+        targets = float_targets(key, batch_size, jnp.sum(totals), self.stratified)
+        return Draw(*locate(targets, totals))
+
+    def read(self, buffer: PrioritisedReplay, at: PyTree[Array]) -> PrioritisedSample:
+        slots, value = find_leaves(buffer.priorities.tree, at)
+        items = gather_slots(buffer.storage, slots)
+        # The probability is the leaf's value over the union's total, in `finish`.
+        return PrioritisedSample(items, slots, value, buffer.generations[slots])
+
+    def finish(
+        self, rows: PrioritisedSample, draw: Draw, summaries: PyTree[Array]
+    ) -> PrioritisedSample:
+        total = jnp.sum(summaries[1])
+        return rows._replace(
+            indices=in_union(draw.owner, rows.indices, self.max_size),
+            probabilities=probability(rows.probabilities, total),
+        )
+
+    def available(self, summaries: PyTree[Array]) -> Bool[Array, ""]:
+        total = jnp.sum(summaries[1])
+        # A total that is not finite is drawn from, and reported.
+        return (total > 0) | ~jnp.isfinite(total)
+
+    def faults(self, summaries: PyTree[Array], call: str) -> list[Fault]:
+        sizes, totals = summaries
+        empty = (jnp.sum(sizes) == 0, f"`{call}`: cannot sample from an empty PrioritisedReplay")
+        return [empty, *mass_faults(jnp.sum(totals), call, "item")]
+
+    def candidates(self, buffer: PrioritisedReplay) -> Candidates:
+        stored = stored_mask(buffer.storage)
+        log_mass = jnp.log(buffer.priorities.tree.leaves)
+        return Candidates(jnp.where(stored, 0.0, -jnp.inf), log_mass, buffer.storage.data, stored)
+
+    def read_candidates(
+        self, buffer: PrioritisedReplay, index: Int[Array, " batch"]
+    ) -> PyTree[Array]:
+        return gather_slots(buffer.storage, index)
+
+    def num_candidates(self, buffer: PrioritisedReplay) -> int:
+        return self.max_size
+
+    def generations(self, buffer: PrioritisedReplay, index: Int[Array, " batch"]) -> Array:
+        return buffer.generations[index]

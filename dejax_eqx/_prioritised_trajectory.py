@@ -2,6 +2,7 @@
 period-aligned start."""
 
 import warnings
+from collections.abc import Mapping
 from typing import Any, NamedTuple, TypeVar
 
 import equinox as eqx
@@ -10,19 +11,31 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, Integer, PRNGKeyArray, PyTree, Real
 
-from ._abstract import AbstractTrajectoryBuffer
+from ._abstract import AbstractTrajectoryBuffer, Source, WindowPriorities
 from ._checks import (
     as_float,
     check_index,
     check_mask,
-    check_positive_int,
     check_real_scalar,
     check_vector,
+    LeafName,
     Prototype,
 )
 from ._deprecated import deprecated_property
 from ._faults import check_faults, Fault
-from ._priorities import check_beta, HasPriorities, Priorities, weights
+from ._laws import (
+    AbstractEnumerableLaw,
+    AbstractLaw,
+    Candidates,
+    Draw,
+    float_targets,
+    in_union,
+    locate,
+    probability,
+)
+from ._nstep import NStep
+from ._policy_age import aged, PolicyAge
+from ._priorities import check_beta, HasPriorities, mass_faults, Priorities, weights
 from ._sequences import (
     count_starts,
     extend_changes,
@@ -35,18 +48,18 @@ from ._sequences import (
     step_changes,
     windows_share_leaves,
 )
-from ._staleness import AgedSample, draw_by_age, PolicyAge, read_step_ages
 from ._streams import (
     Appended,
     check_append,
     check_stamps,
     make_streams,
+    step_backs,
     Streams,
     window_slots,
 )
-from ._sum_tree import MAX_CAPACITY
+from ._sum_tree import find_leaves, MAX_CAPACITY
 from ._trajectory import append_checked, TrajectoryBuffer
-from ._windows import as_whole_window, read_windows, SequenceSample, Window
+from ._windows import as_whole_window, EpisodeEnds, read_windows, SequenceSample, Window
 
 
 _PT = TypeVar("_PT", bound="PrioritisedTrajectoryBuffer")
@@ -71,16 +84,6 @@ class PrioritisedSequenceSample(NamedTuple):
     indices: Int[Array, " batch"]
     probabilities: Float[Array, " batch"]
     weights: Float[Array, " batch"]
-
-
-class WindowMasses(NamedTuple):
-    """Per sum-tree leaf, each of shape `(num_envs, leaves_per_env)`: the `start` of the window
-    it holds (or held last, or a negative number if none yet), whether that window is `held`
-    (stored whole), and the leaf's `mass` (`priority ** priority_exponent`; 0 unless held)."""
-
-    start: Int[Array, "num_envs leaves"]
-    held: Bool[Array, "num_envs leaves"]
-    mass: Float[Array, "num_envs leaves"]
 
 
 class PrioritisedTrajectoryBuffer(AbstractTrajectoryBuffer, HasPriorities):
@@ -210,71 +213,121 @@ class PrioritisedTrajectoryBuffer(AbstractTrajectoryBuffer, HasPriorities):
         fresh = self.priorities.fresh()
         trajectories = self.trajectories.with_streams(streams)
         new = eqx.tree_at(lambda b: (b.trajectories, b.priorities), self, (trajectories, fresh))
-        held = new.window_masses().held.reshape(-1)
+        held = new.window_priorities().held.reshape(-1)
         masses = jnp.where(held, fresh.new_mass(), 0)
         leaves = jnp.arange(held.shape[0], dtype=jnp.int32)
         written = fresh.write(leaves, masses, unique=True)
         return eqx.tree_at(lambda b: b.priorities, new, written)
 
+    def _masking(self, what: Any, call: str) -> Window:
+        """The window a sample reads: the buffer's own, or `what`, a window of the same parts
+        that masks episode ends otherwise."""
+        w = self.window
+        if what is None:
+            return w
+        if not isinstance(what, Window):
+            raise TypeError(
+                f"`{call}`: a PrioritisedTrajectoryBuffer draws its own windows: `what` must be "
+                f"None or a `dx.Window` of the same parts, got {what!r}."
+            )
+        parts = lambda v: (v.sequence_length, v.burn_in, v.bootstrap, v.period, v.strict)  # noqa: E731
+        if parts(what) != parts(w):
+            raise ValueError(
+                f"`{call}`: the buffer's windows are (sequence_length, burn_in, bootstrap, "
+                f"period, strict) = {parts(w)}; a sample may mask them otherwise "
+                f"(`episode_ends`, `done`) but not change them, and {parts(what)} does."
+            )
+        what.check(self.item_spec, self.max_length, call)
+        return what
+
+    def _deprecated_masking(self, options: dict[str, Any], call: str) -> Window:
+        """The deprecated `sample(episode_ends=..., done=...)`: the buffer's window, masked
+        so."""
+        warnings.warn(
+            f"`{call}`: `episode_ends` and `done` are deprecated here; give them to a "
+            "`Window` of the buffer's parts, as `what` (removed in the next release).",
+            DeprecationWarning,
+            stacklevel=4,
+        )
+        w = self.window
+        parts = dict(burn_in=w.burn_in, bootstrap=w.bootstrap, period=w.period, strict=True)
+        return Window(w.sequence_length, **parts, **options)
+
+    def law(
+        self,
+        what: Window | NStep | None = None,
+        *,
+        distribution_power: Real[ArrayLike, ""] | None = None,
+        source: Source | Mapping[Source, int] | None = None,
+        discount: Real[ArrayLike, ""] | None = None,
+        beta: Real[ArrayLike, ""] | None = None,
+        age: PolicyAge | None = None,
+        call: str = "PrioritisedTrajectoryBuffer.law",
+    ) -> tuple[AbstractLaw, list[Fault]]:
+        """Its windows, each with probability `P ∝ p ** priority_exponent` (i.i.d. or
+        stratified), masked by the window's `episode_ends` policy; a
+        `PrioritisedSequenceSample` whose weights are `importance_weights(probabilities,
+        num_windows, beta)`. `what` is `None` (the buffer's window) or a `Window` of the same
+        parts, period and strictness that masks episode ends otherwise. With `age`, the same
+        law times each window's age weight (an `AgedSample` of `SequenceSample`s, its indices
+        the leaves, its weights toward the age-weighted target). Faults: no window admissible
+        yet, every window of priority 0, a total mass that is not finite, a bad `beta`."""
+        window = self._masking(what, call)
+        for name, value in [
+            ("distribution_power", distribution_power),
+            ("discount", discount),
+        ]:
+            if value is not None:
+                raise TypeError(
+                    f"`{call}({name}=...)`: a PrioritisedTrajectoryBuffer draws its windows "
+                    "by priority; it takes no `{name}`. The online queue's windows are drawn "
+                    "from `buffer.trajectories`."
+                )
+        if source is not None and source != "replay":
+            raise TypeError(
+                f"`{call}(source=...)`: a PrioritisedTrajectoryBuffer draws its windows by "
+                "priority from its replay; draw the online queue from `buffer.trajectories`."
+            )
+        dtype = self.priorities.max_priority.dtype
+        beta, faults = check_beta(1.0 if beta is None else beta, call, dtype)
+        k, capacity = self.num_envs, self.priorities.tree.capacity
+        base = PrioritisedWindowLaw(window, beta, k, capacity, self.stratified)
+        if age is None:
+            return base, faults
+        law = aged(base, self, age, beta, stratified=self.stratified, noun="window", call=call)
+        return law, faults
+
     def sample(
-        self, key: PRNGKeyArray, batch_size: int, *, beta: Real[ArrayLike, ""] = 1.0, **options: Any
-    ) -> PrioritisedSequenceSample:
-        """Draw `batch_size` windows with probabilities `P ∝ p ** priority_exponent`, with
-        replacement, masked by the window's `episode_ends` policy.
-
-        **Arguments:**
-
-        - `key`: a JAX PRNG key.
-        - `batch_size`: a positive Python int (static).
-        - `beta`: the importance-weight exponent `β >= 0` (default 1; may be traced).
-
-        **Returns:** a `PrioritisedSequenceSample` `(sample, indices, probabilities, weights)`.
-
-        **Raises:** `ValueError`/`TypeError` at once for bad static arguments; an
-        `eqx.error_if` error if no window is admissible yet, if every admissible window has
-        priority 0, if the total mass is not finite, or if `beta` is negative or not finite.
-        """
-        call = "PrioritisedTrajectoryBuffer.sample"
-        batch_size = check_positive_int(batch_size, f"{call}(batch_size=...)")
-        window = self.window if not options else _masking(self, options, call)
-        beta, beta_faults = check_beta(beta, call, self.priorities.max_priority.dtype)
-        leaves, probabilities = self.priorities.draw(key, batch_size)
-        env, start = stamps_of(self, leaves)
-        # Only leaves of positive priority are drawn, so their windows are stored.
-        back = jnp.clip(self.step_count[env] - start, 0, self.max_length)
-        sample = read_windows(self.streams, env, back, window)
-        number = self.num_windows
-        # Probabilities are 0 only on an all-zero tree, which the checks below report.
-        total = self.priorities.tree.total
-        w = weights(jnp.where(total > 0, probabilities, 1), jnp.maximum(number, 1), beta)
-        out = PrioritisedSequenceSample(sample, leaves, probabilities, w)
-        faults = [_no_window_fault(self, call), *self.priorities.sample_faults(call, "window")]
-        faults += beta_faults
-        return check_faults(out, faults, order_reads=False)
-
-    def sample_by_age(
-        self, key: PRNGKeyArray, batch_size: int, age: PolicyAge, *, beta: Real[ArrayLike, ""] = 1.0
-    ) -> AgedSample:
-        """`sample`, restricted to the windows whose first step has policy age at most
-        `age.max_age`, and weighted `1 / (age + 1)` for `age.decay="inverse"` (see
-        `PolicyAge`): `P ∝ p ** priority_exponent · a(age)`, i.i.d. or stratified.
-        Enumerates the leaves and the stored steps: O(num_envs · max_length) per call, where
-        `sample` is O(batch · log(num_envs · leaves_per_env)).
-
-        **Returns:** an `AgedSample`: its `items` are a `SequenceSample` whose `(env, start)`
-        stamps `set_priorities` takes, its `indices` the leaves. `weights` are `(q_i / P_i) **
-        β / max` toward the age-weighted target `q`: those of `sample` when nothing is
-        excluded and `decay=None`.
-
-        **Raises:** as `sample`; an `eqx.error_if` error for a stored version greater than
-        `age.current` or negative, or if every window of positive priority is older than
-        `max_age`.
-        """
-        call = "PrioritisedTrajectoryBuffer.sample_by_age"
-        batch_size = check_positive_int(batch_size, f"{call}(batch_size=...)")
-        beta, beta_faults = check_beta(beta, call, self.priorities.max_priority.dtype)
-        out, faults = _draw_by_age(self, key, batch_size, age, beta, call)
-        return check_faults(out, [*faults, *beta_faults], order_reads=False)
+        self,
+        key: PRNGKeyArray,
+        batch_size: int,
+        what: Window | NStep | None = None,
+        *,
+        distribution_power: Real[ArrayLike, ""] | None = None,
+        source: Source | Mapping[Source, int] | None = None,
+        discount: Real[ArrayLike, ""] | None = None,
+        beta: Real[ArrayLike, ""] | None = None,
+        age: PolicyAge | None = None,
+        episode_ends: EpisodeEnds | None = None,
+        done: LeafName | tuple[LeafName, ...] | None = None,
+    ) -> Any:
+        """As `AbstractTrajectoryBuffer.sample`. `episode_ends` and `done` are the deprecated
+        form of a `Window` that masks otherwise."""
+        if episode_ends is not None or done is not None:
+            options = {"episode_ends": episode_ends, "done": done}
+            what = self._deprecated_masking(
+                {k: v for k, v in options.items() if v is not None}, f"{_NAME}.sample"
+            )
+        return super().sample(
+            key,
+            batch_size,
+            what,
+            distribution_power=distribution_power,
+            source=source,
+            discount=discount,
+            beta=beta,
+            age=age,
+        )
 
     def set_priorities(
         self: _PT,
@@ -322,6 +375,20 @@ class PrioritisedTrajectoryBuffer(AbstractTrajectoryBuffer, HasPriorities):
         new = self.priorities.write(leaves, masses, top, mask=keep)
         return eqx.tree_at(lambda b: b.priorities, self, new)
 
+    def note_priorities(
+        self: _PT,
+        env_ids: Integer[ArrayLike, " n"],
+        starts: Integer[ArrayLike, " n"],
+        priorities: Real[ArrayLike, " n"],
+        *,
+        mask: Bool[ArrayLike, " n"] | None = None,
+    ) -> _PT:
+        call = "PrioritisedTrajectoryBuffer.note_priorities"
+        n = check_index(env_ids, self.num_envs, f"{call}(env_ids=...)", ndim=1)[0].shape[0]
+        priorities = check_vector(priorities, n, call, "priorities")
+        valid = None if mask is None else check_mask(mask, n, call)
+        return eqx.tree_at(lambda b: b.priorities, self, self.priorities.noted(priorities, valid))
+
     def stamp_of(
         self, indices: Integer[ArrayLike, "*n"]
     ) -> tuple[Int[Array, "*n"], Int[Array, "*n"]]:
@@ -342,31 +409,40 @@ class PrioritisedTrajectoryBuffer(AbstractTrajectoryBuffer, HasPriorities):
         )
         return check_faults(stamp, [(bad, message)])
 
-    def window_masses(self) -> WindowMasses:
-        """Every leaf's window and mass, as a `WindowMasses` of `(num_envs, leaves_per_env)`
-        arrays: what a `Dataset` stores of the priorities."""
+    def priority_settings(self) -> dict[str, Any]:
+        return {
+            "priority_exponent": self.priority_exponent,
+            "period": self.window.period,
+            "window": self.window.size,
+        }
+
+    def window_priorities(self) -> WindowPriorities:
+        """Every sum-tree leaf's window and mass, as `(num_envs, leaves_per_env)` arrays, and
+        `max_priority`: what a `Dataset` stores of the priorities."""
         k = self.leaves_per_env
         leaves = jnp.arange(self.num_envs * k, dtype=jnp.int32).reshape(self.num_envs, k)
         env, start = stamps_of(self, leaves)
         count, length = self.step_count[env], self.streams.lengths[env]
         held = is_stored(start, count, length, self.window.size)
-        return WindowMasses(start, held, self.priorities.tree.leaves.reshape(self.num_envs, k))
+        masses = self.priorities.tree.leaves.reshape(self.num_envs, k)
+        return WindowPriorities(start, held, masses, self.priorities.max_priority)
 
-    def with_window_masses(
+    def with_window_priorities(
         self: _PT,
         masses: Real[ArrayLike, "num_envs leaves"],
         *,
         max_priority: Real[ArrayLike, ""] | None = None,
     ) -> _PT:
         """The buffer with the mass of every window it holds set (`masses[e, j]` for leaf `j`
-        of env `e`, as `window_masses`; the masses of leaves that hold no window are
+        of env `e`, as `window_priorities` gives them; a NaN gives the window the mass of
+        `max_priority`, as a new window gets; the masses of leaves that hold no window are
         ignored), and `max_priority` if given.
 
         **Raises:** `ValueError`/`TypeError` at once for a bad shape or dtype; an
-        `eqx.error_if` error for a held window's mass that is negative or not finite, or a
+        `eqx.error_if` error for a held window's mass that is negative or infinite, or a
         `max_priority` below 1 or not finite.
         """
-        call = "PrioritisedTrajectoryBuffer.with_window_masses"
+        call = "PrioritisedTrajectoryBuffer.with_window_priorities"
         k, capacity = self.leaves_per_env, self.priorities.tree.capacity
         if tuple(jnp.shape(masses)) != (self.num_envs, k):
             raise ValueError(
@@ -377,16 +453,16 @@ class PrioritisedTrajectoryBuffer(AbstractTrajectoryBuffer, HasPriorities):
         if isinstance(masses, jax.Array | np.ndarray):
             masses = masses.reshape(-1)
         flat = check_vector(masses, capacity, call, "masses")
-        held = self.window_masses().held.reshape(-1)
+        held = self.window_priorities().held.reshape(-1)
         dtype = self.priorities.max_priority.dtype
         flat, faults = as_float(flat, dtype, call, "masses", mask=held)
-        flat = jnp.where(held, flat, 0)
         top = self.priorities.max_priority
         if max_priority is not None:
             top, top_faults = as_float(
                 check_real_scalar(max_priority, call, "max_priority"), dtype, call, "max_priority"
             )
             faults += top_faults
+        flat = jnp.where(held, jnp.where(jnp.isnan(flat), self.priorities.mass(top), flat), 0)
         faults += [
             (
                 ~(jnp.isfinite(flat) & (flat >= 0)),
@@ -410,53 +486,6 @@ def stamps_of(
     k, w = buffer.leaves_per_env, buffer.window
     env = leaves // k
     return env, latest_start(buffer.step_count[env], leaves % k, w.size, w.period, k)
-
-
-def _draw_by_age(
-    buffer: PrioritisedTrajectoryBuffer,
-    key: PRNGKeyArray,
-    batch_size: int,
-    age: PolicyAge,
-    beta: Float[Array, ""],
-    call: str,
-) -> tuple[AgedSample, list[Fault]]:
-    """`sample_by_age` without its checks, and its faults: the ages of every stored step, and
-    a draw over the leaves, each of its window's first step's age."""
-    w, k = buffer.window, buffer.leaves_per_env
-    _, ages, age_faults = read_step_ages(age, buffer.streams, call)
-    held = buffer.window_masses()
-    env = jnp.repeat(jnp.arange(buffer.num_envs, dtype=jnp.int32), k)  # leaf // k
-    # Only held windows are drawn: their first steps are stored, `first` in [W, max_length].
-    first = jnp.clip(buffer.step_count[env] - held.start.reshape(-1), 1, buffer.max_length)
-    slot = window_slots(buffer.streams, env, first, 1)[:, 0]
-    law = jnp.where(held.held.reshape(-1), 0.0, -jnp.inf)
-    log_mass = jnp.log(held.mass.reshape(-1))
-    stratified = buffer.stratified
-    draw, more = draw_by_age(
-        key,
-        batch_size,
-        age,
-        ages[env, slot],
-        law,
-        log_mass,
-        beta=beta,
-        stratified=stratified,
-        call=call,
-        what="window",
-    )
-    leaves = draw.indices
-    out = AgedSample(read_windows(buffer.streams, env[leaves], first[leaves], w), *draw)
-    faults = [_no_window_fault(buffer, call), *buffer.priorities.sample_faults(call, "window")]
-    return out, faults + age_faults + more
-
-
-def _no_window_fault(buffer: PrioritisedTrajectoryBuffer, call: str) -> Fault:
-    w = buffer.window
-    return (
-        buffer.num_windows == 0,
-        f"`{call}`: no window is admissible yet: no env holds {w.size} steps from a start on a "
-        f"multiple of period = {w.period}",
-    )
 
 
 def _whole_windows(window: Any, options: dict[str, Any], streams: Streams, call: str) -> Window:
@@ -507,16 +536,86 @@ def _changes(
     return leaves, (done.valid[:, None] & write).reshape(-1), stored.reshape(-1)
 
 
-def _masking(buffer: PrioritisedTrajectoryBuffer, options: dict[str, Any], call: str) -> Window:
-    """The deprecated `sample(episode_ends=..., done=...)`: the buffer's window, masked so."""
-    w = buffer.window
-    warnings.warn(
-        f"`{call}`: `episode_ends` and `done` are deprecated here; give them to the buffer's "
-        "`Window` (removed in the next release).",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    parts = dict(burn_in=w.burn_in, bootstrap=w.bootstrap, period=w.period, strict=True)
-    window = Window(w.sequence_length, **parts, **options)
-    window.check(buffer.item_spec, buffer.max_length, call)
-    return window
+class PrioritisedWindowLaw(AbstractEnumerableLaw):
+    """A `PrioritisedTrajectoryBuffer`'s law: each admissible window in proportion to its
+    mass `p ** α`. Over a union of buffers, over their total: the targets of the union's
+    total, each found in the tree of the buffer whose slice holds it; env ids and leaves are
+    named in the union, and the weights count the union's windows."""
+
+    window: Window
+    beta: Float[Array, ""]
+    num_envs: int = eqx.field(static=True)
+    capacity: int = eqx.field(static=True)  # the leaves of one buffer
+    stratified: bool = eqx.field(static=True)
+
+    def summary(self, buffer: PrioritisedTrajectoryBuffer) -> PyTree[Array]:
+        return buffer.priorities.tree.total, buffer.num_windows
+
+    def draw(self, key: PRNGKeyArray, batch_size: int, summaries: PyTree[Array]) -> Draw:
+        totals, _ = summaries
+        targets = float_targets(key, batch_size, jnp.sum(totals), self.stratified)
+        return Draw(*locate(targets, totals))
+
+    def read(self, buffer: PrioritisedTrajectoryBuffer, at: PyTree[Array]) -> PyTree[Array]:
+        leaves, value = find_leaves(buffer.priorities.tree, at)
+        # Only leaves of positive mass are drawn, so their windows are stored.
+        sample = self.read_candidates(buffer, leaves)
+        # The probability is the leaf's value over the union's total, in `finish`.
+        return PrioritisedSequenceSample(sample, leaves, value, jnp.zeros_like(value))
+
+    def finish(
+        self, rows: PrioritisedSequenceSample, draw: Draw, summaries: PyTree[Array]
+    ) -> PrioritisedSequenceSample:
+        totals, numbers = summaries
+        total = jnp.sum(totals)
+        p = probability(rows.probabilities, total)
+        number = jnp.maximum(jnp.sum(numbers), 1)
+        # Probabilities are 0 only where nothing can be drawn, which the faults report.
+        w = weights(jnp.where(total > 0, p, 1), number, self.beta)
+        sample = self.name_candidates(rows.sample, draw.owner, summaries)
+        return PrioritisedSequenceSample(
+            sample, in_union(draw.owner, rows.indices, self.capacity), p, w
+        )
+
+    def available(self, summaries: PyTree[Array]) -> Bool[Array, ""]:
+        total = jnp.sum(summaries[0])
+        return (total > 0) | ~jnp.isfinite(total)
+
+    def faults(self, summaries: PyTree[Array], call: str) -> list[Fault]:
+        totals, numbers = summaries
+        w = self.window
+        return [
+            (
+                jnp.sum(numbers) == 0,
+                f"`{call}`: no window is admissible yet: no env holds {w.size} steps from a "
+                f"start on a multiple of period = {w.period}",
+            ),
+            *mass_faults(jnp.sum(totals), call, "window"),
+        ]
+
+    def candidates(self, buffer: PrioritisedTrajectoryBuffer) -> Candidates:
+        held = buffer.window_priorities()
+        env = jnp.repeat(jnp.arange(buffer.num_envs, dtype=jnp.int32), buffer.leaves_per_env)
+        # Only held windows are drawn: their first steps are stored.
+        first = jnp.clip(buffer.step_count[env] - held.start.reshape(-1), 1, buffer.max_length)
+        slot = window_slots(buffer.streams, env, first, 1)[:, 0]
+        stored = (step_backs(buffer.streams) <= buffer.streams.lengths[:, None]).reshape(-1)
+        items = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), buffer.streams.data)
+        log_law = jnp.where(held.held.reshape(-1), 0.0, -jnp.inf)
+        log_mass = jnp.log(held.mass.reshape(-1))
+        return Candidates(log_law, log_mass, items, stored, env * buffer.max_length + slot)
+
+    def read_candidates(
+        self, buffer: PrioritisedTrajectoryBuffer, index: Int[Array, " batch"]
+    ) -> SequenceSample:
+        env, start = stamps_of(buffer, index)
+        back = jnp.clip(buffer.step_count[env] - start, 1, buffer.max_length)
+        return read_windows(buffer.streams, env, back, self.window)
+
+    def name_candidates(
+        self, rows: SequenceSample, owner: Int[Array, " batch"], summaries: PyTree[Array]
+    ) -> SequenceSample:
+        return rows._replace(env=in_union(owner, rows.env, self.num_envs))
+
+    def num_candidates(self, buffer: PrioritisedTrajectoryBuffer) -> int:
+        return self.capacity

@@ -1,5 +1,5 @@
 """Rate limiting inside `jit`: `RateLimiter`, a module of counters that evaluates the rate law
-of `_rates.py`, and `RateLimited`, a buffer together with its limiter.
+of `_rates.py` (`RateLimited`, a buffer together with its limiter, is `_rate_limited.py`).
 
 Blocking is not here: a jitted loop asks the predicates and budgets and does as much as they
 allow; a host service for threads waits on them. The limiter itself is pure, like the buffers.
@@ -13,11 +13,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, ArrayLike, Bool, Int, Integer, PRNGKeyArray, PyTree, UInt32
+from jaxtyping import Array, ArrayLike, Bool, Int, Integer, UInt32
 
-from ._abstract import AbstractPrioritisedReplay, AbstractReplay, AbstractTrajectoryBuffer
 from ._checks import check_index, check_nonnegative_int, check_positive_int
-from ._clustered import ClusteredReplay
 from ._faults import check_faults, Fault, is_concrete
 from ._int64 import (
     add_constant,
@@ -31,14 +29,10 @@ from ._int64 import (
     sub_product,
     to_int,
 )
-from ._prioritised_trajectory import PrioritisedTrajectoryBuffer
-from ._queue import TrajectoryQueue
 from ._rates import as_fraction, Rate, UNLIMITED
-from ._trajectory import TrajectoryBuffer
 
 
 _L = TypeVar("_L", bound="RateLimiter")
-_W = TypeVar("_W", bound="RateLimited")
 
 # The invariants a limiter's counters keep, checked on every change (see `_rates.py`): every
 # sum the predicates form then fits 64 bits.
@@ -422,6 +416,18 @@ def count_inserts(limiter: _L, n: Integer[ArrayLike, ""], call: str) -> _L:
     return eqx.tree_at(lambda r: (r.inserts, r.balance), limiter, (inserts, balance))
 
 
+def folded_inserts(limiter: _L, n: UInt32[Array, ""], call: str) -> _L:
+    """`limiter` with `n` more inserts (in `[0, 2**32)`) counted that have already been
+    judged by the law (a shard's share of it): only the counters' range is checked."""
+    rate = limiter.rate
+    inserts, big = add_product(limiter.inserts, n, 1)
+    balance, wide = add_product(limiter.balance, n, rate.p)
+    inserts, balance = check_faults(
+        (inserts, balance), [(big | _outside(balance, wide), f"`{call}`: {_OVERFLOW}")]
+    )
+    return eqx.tree_at(lambda r: (r.inserts, r.balance), limiter, (inserts, balance))
+
+
 def count_samples(limiter: _L, n: Integer[ArrayLike, ""], call: str) -> _L:
     """`limiter` after a sample of `n` rows, checked as `count_inserts` checks inserts."""
     amount, faults = _amount(n, limiter.sample_batch_size, call, "sample", "rows")
@@ -505,263 +511,3 @@ def _amount(
         f"deadlock the limiter (its deadlock check holds for {kind}s of at most {most} {unit})"
     )
     return jnp.where(bad, 0, value), [(bad, message)]
-
-
-# ---------------------------------------------------------------------------------------------
-# A buffer with its limiter
-
-_Buffer = AbstractReplay | AbstractTrajectoryBuffer
-
-
-class RateLimited(eqx.Module):
-    """A buffer and its `RateLimiter`, which counts every insert and sample through it.
-
-    The wrapped buffer behaves exactly as it does alone (the same key gives the same sample);
-    each method forwards to it and counts what it did, raising (`eqx.error_if`) when the law
-    does not allow it: call `can_insert`/`can_sample` (or the budgets) first.
-
-    **Units.** Inserts are counted in *items* for a replay (`UniformReplay`,
-    `PrioritisedReplay`, `ClusteredReplay`) and in *steps* for a trajectory buffer
-    (`TrajectoryBuffer`, `PrioritisedTrajectoryBuffer`, `TrajectoryQueue`): `add` of `n`
-    envs' steps counts `n`, `extend` of `T` steps of `n` envs `n * T`. Samples are counted in
-    *rows*: the items, windows, sequences or transitions a sample returns (`batch_size`).
-    So `samples_per_insert` is rows per step for a trajectory buffer: an R2D2 learner that,
-    as with Reverb, samples each sequence of period `P` (one inserted every `P` steps) about 4
-    times sets `samples_per_insert = 4 / P`, and `min_size_to_sample` in steps.
-
-    | method | counts |
-    | --- | --- |
-    | `add(item)` (replay) | 1 insert |
-    | `add_batch(items, mask=None)` (replay) | `n` inserts, or `mask.sum()` |
-    | `add(items, env_ids=None)` (trajectory buffer) | 1 per listed env |
-    | `extend(items, env_ids=None)` (trajectory buffer) | envs × `T` |
-    | `sample(key, batch_size, ...)`, `sample_transitions(...)` | `batch_size` rows |
-    | `sample_mixed(key, replay_batch_size, online_batch_size, ...)` | both parts |
-    | `pop(sequence_length)` (`TrajectoryQueue`) | `num_envs` rows |
-    | `set_priorities(...)` | nothing |
-
-    For a change that is not counted (`update`, `reset_online_queue`, ...), replace the buffer:
-    `eqx.tree_at(lambda r: r.buffer, limited, limited.buffer.reset_online_queue())`.
-
-    `RateLimited` is final: it is not meant to be subclassed.
-
-    !!! Example
-
-        ```python
-        import jax
-        import jax.numpy as jnp
-        import dejax_eqx as dx
-
-        buf = dx.UniformReplay({"obs": jnp.zeros(2)}, max_size=1000)
-        limiter = dx.RateLimiter.sample_to_insert_ratio(
-            2, min_size_to_sample=10, error_buffer=16, insert_batch_size=4, sample_batch_size=8
-        )
-        limited = dx.RateLimited(buf, limiter)
-        while not limited.can_sample(8):
-            limited = limited.add_batch({"obs": jnp.ones((4, 2))})
-        limited, batch = limited.sample(jax.random.key(0), 8)
-        assert batch["obs"].shape == (8, 2) and limited.limiter.counts() == (12, 8)
-        ```
-    """
-
-    buffer: _Buffer
-    """The wrapped buffer, unchanged in behaviour."""
-    limiter: RateLimiter
-    """The counts, and the law they obey."""
-
-    def __init__(self, buffer: _Buffer, limiter: RateLimiter):
-        """**Arguments:**
-
-        - `buffer`: any buffer of the library: a replay (`AbstractReplay`) or a trajectory
-            buffer (`AbstractTrajectoryBuffer`). It may already hold data.
-        - `limiter`: a `RateLimiter`, with the counts to start from (`with_counts`).
-
-        **Raises:** `TypeError` for anything else; `ValueError` if the limiter's
-        `min_size_to_sample` is above the buffer's capacity in its units (`max_size` items,
-        or `num_envs * max_length` steps): sampling could never start.
-        """
-        call = "RateLimited"
-        if not isinstance(buffer, _Buffer):
-            raise TypeError(
-                f"`{call}(buffer=...)` must be a buffer of dejax_eqx (a replay or a trajectory "
-                f"buffer), got {type(buffer).__name__}."
-            )
-        if not isinstance(limiter, RateLimiter):
-            raise TypeError(
-                f"`{call}(limiter=...)` must be a `RateLimiter`, got {type(limiter).__name__}."
-            )
-        capacity, units = _capacity(buffer)
-        if limiter.min_size_to_sample > capacity:
-            raise ValueError(
-                f"`{call}`: the limiter's min_size_to_sample = {limiter.min_size_to_sample} "
-                f"is above the buffer's capacity of {capacity} {units}: sampling could never "
-                "start. Lower min_size_to_sample, or give the buffer more room."
-            )
-        self.buffer = buffer
-        self.limiter = limiter
-
-    # --- the law --------------------------------------------------------------------------
-
-    def can_insert(self, n: Integer[ArrayLike, ""] = 1) -> Bool[Array, ""]:
-        """`limiter.can_insert(n)`: whether `n` items (replay) or steps (trajectory buffer)
-        may be inserted now."""
-        return self.limiter.can_insert(n)
-
-    def can_sample(self, n: Integer[ArrayLike, ""] = 1) -> Bool[Array, ""]:
-        """`limiter.can_sample(n)`: whether `n` rows may be sampled now."""
-        return self.limiter.can_sample(n)
-
-    def sample_budget(self, batch_size: int = 1) -> Int[Array, ""]:
-        """`limiter.sample_budget(batch_size)`."""
-        return self.limiter.sample_budget(batch_size)
-
-    def insert_budget(self, batch_size: int = 1) -> Int[Array, ""]:
-        """`limiter.insert_budget(batch_size)`."""
-        return self.limiter.insert_budget(batch_size)
-
-    # --- inserts --------------------------------------------------------------------------
-
-    def add(self: _W, items: PyTree[ArrayLike], *args: Any, **kwargs: Any) -> _W:
-        """The buffer's `add`, counted: 1 insert for a replay's `add(item, ...)`, 1 per
-        listed env for a trajectory buffer's `add(items, env_ids=None)`.
-
-        **Raises:** what the buffer's `add` raises; an `eqx.error_if` error if the law does not
-        allow the insert (see `RateLimiter.insert`).
-        """
-        call = "RateLimited.add"
-        buffer = self.buffer.add(items, *args, **kwargs)
-        n = 1 if isinstance(self.buffer, AbstractReplay) else _leading(items)[0]
-        return self._counted(buffer, count_inserts(self.limiter, n, call))
-
-    def add_batch(
-        self: _W,
-        items: PyTree[ArrayLike],
-        *args: Any,
-        mask: Bool[ArrayLike, " n"] | None = None,
-        **kwargs: Any,
-    ) -> _W:
-        """A replay's `add_batch`, counted: `n` inserts, or `mask.sum()` with a `mask`.
-
-        **Raises:** `TypeError` for a trajectory buffer (use `add` or `extend`), what the
-        replay's `add_batch` raises, and an `eqx.error_if` error as `add`.
-        """
-        call = "RateLimited.add_batch"
-        if not isinstance(self.buffer, AbstractReplay):
-            raise TypeError(_not_for(call, self.buffer, "`add` or `extend`"))
-        buffer = self.buffer.add_batch(items, *args, mask=mask, **kwargs)
-        n = _leading(items)[0] if mask is None else jnp.sum(jnp.asarray(mask), dtype=jnp.int32)
-        return self._counted(buffer, count_inserts(self.limiter, n, call))
-
-    def extend(
-        self: _W, items: PyTree[ArrayLike], env_ids: Integer[ArrayLike, " n"] | None = None
-    ) -> _W:
-        """A trajectory buffer's `extend`, counted: `T` steps of each of `n` envs are `n * T`
-        inserts.
-
-        **Raises:** `TypeError` for a replay (use `add` or `add_batch`), what the buffer's
-        `extend` raises, and an `eqx.error_if` error as `add`.
-        """
-        call = "RateLimited.extend"
-        if not isinstance(self.buffer, AbstractTrajectoryBuffer):
-            raise TypeError(_not_for(call, self.buffer, "`add` or `add_batch`"))
-        buffer = self.buffer.extend(items, env_ids)
-        envs, length = _leading(items)
-        return self._counted(buffer, count_inserts(self.limiter, envs * length, call))
-
-    # --- samples --------------------------------------------------------------------------
-
-    def sample(
-        self: _W, key: PRNGKeyArray, batch_size: int, *args: Any, **kwargs: Any
-    ) -> tuple[_W, Any]:
-        """The buffer's `sample(key, batch_size, ...)`, counted: `batch_size` rows.
-
-        **Returns:** `(limited, sample)`: the new `RateLimited`, and what the buffer's
-        `sample` returns for the same arguments.
-
-        **Raises:** `TypeError` for a `TrajectoryQueue` (use `pop`), what the buffer's
-        `sample` raises, and an `eqx.error_if` error if the law does not allow the sample (see
-        `RateLimiter.sample`).
-        """
-        call = "RateLimited.sample"
-        buffer = self.buffer
-        if not isinstance(buffer, AbstractReplay | TrajectoryBuffer | PrioritisedTrajectoryBuffer):
-            raise TypeError(_not_for(call, buffer, "`pop`"))
-        batch_size = check_positive_int(batch_size, f"{call}(batch_size=...)")
-        limiter = count_samples(self.limiter, batch_size, call)  # the law's message first
-        return self._counted(buffer, limiter), buffer.sample(key, batch_size, *args, **kwargs)
-
-    def sample_mixed(
-        self: _W,
-        key: PRNGKeyArray,
-        replay_batch_size: int,
-        online_batch_size: int,
-        *args: Any,
-        **kwargs: Any,
-    ) -> tuple[_W, Any]:
-        """A `TrajectoryBuffer`'s `sample_mixed`, counted: `replay_batch_size +
-        online_batch_size` rows. Returns `(limited, sample)`; raises as `sample`."""
-        call = "RateLimited.sample_mixed"
-        buffer = self.buffer
-        if not isinstance(buffer, TrajectoryBuffer):
-            raise TypeError(_not_for(call, buffer, "`sample`"))
-        rows = check_nonnegative_int(replay_batch_size, f"{call}(replay_batch_size=...)")
-        rows += check_nonnegative_int(online_batch_size, f"{call}(online_batch_size=...)")
-        limiter = count_samples(self.limiter, rows, call)
-        out = buffer.sample_mixed(key, replay_batch_size, online_batch_size, *args, **kwargs)
-        return self._counted(buffer, limiter), out
-
-    def sample_transitions(
-        self: _W, key: PRNGKeyArray, batch_size: int, *args: Any, **kwargs: Any
-    ) -> tuple[_W, Any]:
-        """A `TrajectoryBuffer`'s `sample_transitions`, counted: `batch_size` rows (one per
-        transition). Returns `(limited, transitions)`; raises as `sample`."""
-        call = "RateLimited.sample_transitions"
-        buffer = self.buffer
-        if not isinstance(buffer, TrajectoryBuffer):
-            raise TypeError(_not_for(call, buffer, "`sample`"))
-        batch_size = check_positive_int(batch_size, f"{call}(batch_size=...)")
-        limiter = count_samples(self.limiter, batch_size, call)
-        out = buffer.sample_transitions(key, batch_size, *args, **kwargs)
-        return self._counted(buffer, limiter), out
-
-    def pop(self: _W, sequence_length: int) -> tuple[PyTree[Array], _W]:
-        """A `TrajectoryQueue`'s `pop`, counted: `num_envs` rows (one sequence per env).
-        Returns `(items, limited)`, in the queue's order; raises as `sample`."""
-        call = "RateLimited.pop"
-        buffer = self.buffer
-        if not isinstance(buffer, TrajectoryQueue):
-            raise TypeError(_not_for(call, buffer, "`sample`"))
-        limiter = count_samples(self.limiter, buffer.num_envs, call)
-        items, queue = buffer.pop(sequence_length)
-        return items, self._counted(queue, limiter)
-
-    def set_priorities(self: _W, *args: Any, **kwargs: Any) -> _W:
-        """The buffer's `set_priorities`, not counted (a prioritised replay or trajectory
-        buffer, or a `ClusteredReplay` of prioritised replays)."""
-        buffer = self.buffer
-        if not isinstance(
-            buffer, AbstractPrioritisedReplay | ClusteredReplay | PrioritisedTrajectoryBuffer
-        ):
-            raise TypeError(_not_for("RateLimited.set_priorities", buffer, "a prioritised buffer"))
-        return self._counted(buffer.set_priorities(*args, **kwargs), self.limiter)
-
-    def _counted(self: _W, buffer: _Buffer, limiter: RateLimiter) -> _W:
-        return eqx.tree_at(lambda r: (r.buffer, r.limiter), self, (buffer, limiter))
-
-
-def _capacity(buffer: _Buffer) -> tuple[int, str]:
-    """What the buffer holds at most, in the limiter's units."""
-    if isinstance(buffer, AbstractReplay):
-        return buffer.max_size, "items (max_size)"
-    capacity = buffer.num_envs * buffer.max_length
-    return capacity, f"steps (num_envs * max_length = {buffer.num_envs} * {buffer.max_length})"
-
-
-def _leading(items: PyTree[ArrayLike]) -> tuple[int, int]:
-    """The first two axes of the first leaf of a batch the buffer has accepted."""
-    shape = np.shape(jax.tree.leaves(items)[0])
-    return shape[0], (shape[1] if len(shape) > 1 else 1)
-
-
-def _not_for(call: str, buffer: _Buffer, use: str) -> str:
-    return f"`{call}`: a {type(buffer).__name__} has no such method; use {use}."

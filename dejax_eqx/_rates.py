@@ -164,11 +164,20 @@ class Rate:
 
     # --- the law on Python ints -----------------------------------------------------------
 
-    def can_insert(self, inserts: int, samples: int, n: int) -> bool:
-        """Whether an insert of `n` items may proceed after `inserts` and `samples`."""
-        if inserts + n <= self.min_size_to_sample or self.scaled_max is None:
+    def can_insert(
+        self, inserts: int, samples: int, n: int, *, shares: int = 1, pending: int = 0
+    ) -> bool:
+        """Whether an insert of `n` items may proceed after `inserts` and `samples`.
+
+        With `shares > 1`, for one of `shares` inserters (the shards, or the processes, of a
+        buffer spread across devices) that sees only its own `pending` inserts since
+        `inserts` was last counted over all of them: its *share* of the law, as if every
+        inserter had inserted as much. Summed over the inserters, that keeps the law's bound;
+        with equal inserts everywhere, it is the law."""
+        ahead = shares * (pending + n)
+        if inserts + ahead <= self.min_size_to_sample or self.scaled_max is None:
             return True
-        return self.balance(inserts, samples) + n * self.p <= self.scaled_max
+        return self.balance(inserts, samples) + ahead * self.p <= self.scaled_max
 
     def can_sample(self, inserts: int, samples: int, n: int) -> bool:
         """Whether a sample of `n` rows may proceed after `inserts` and `samples`."""

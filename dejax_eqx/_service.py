@@ -1,29 +1,33 @@
 """ReplayService: one buffer shared by actor threads and learner threads under a rate law.
 
-The host side of issue 32 (Sebulba-style actors and learners in one process): the law is
-`Rate`'s, evaluated on exact Python ints; the buffer operations are the buffer's own methods,
-jitted once per process. `_Gate` holds the counts and the waits, `_Cell` the buffer, and
-`ReplayService` puts them together.
+Sebulba-style actors and learners: the law is `Rate`'s, evaluated on exact Python ints; the
+buffer operations are the buffer's own methods, each compiled once by `eqx.filter_jit`.
+`_Gate` holds the counts and the waits, `_Cell` the buffer, and `ReplayService` puts them
+together. Over a buffer spread across the processes of a `jax.distributed` program (a global
+buffer), each process runs its own service: its actors are held to its share of the law, and
+its learner, which samples in step with the other processes' learners, learns the global
+counts from them by one collective (`_exchange`).
 """
 
-import logging
-import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import PRNGKeyArray, PyTree
+from jaxtyping import Array, ArrayLike, Bool, Integer, PRNGKeyArray, PyTree, Real
 
-from ._abstract import AbstractReplay, AbstractTrajectoryBuffer
-from ._checks import check_bool, check_choice, check_nonnegative_float, check_positive_int, plural
-from ._queue import TrajectoryQueue
-from ._rate_limiter import RateLimited
+from ._abstract import AbstractTrajectoryBuffer, Source
+from ._checks import check_bool, check_nonnegative_float, check_positive_int, plural
+from ._nstep import NStep
+from ._policy_age import PolicyAge
+from ._rate_limited import insert_units, RateLimited
 from ._rates import Rate
+from ._shard_map import run
+from ._windows import Window
 
 
 Side = Literal["actor", "learner"]
@@ -90,17 +94,24 @@ class _Gate:
     """The host counts, the participants and the waits of a `ReplayService`, under one
     condition. It holds no buffer and runs no JAX, so its lock is only ever held briefly.
 
-    `inserts` counts the items whose buffer is published; `reserved` those that passed the law
-    and are being written. Inserters test the law on `inserts + reserved` (two cannot pass on
-    the same state), samplers on `inserts` (they never count items not in the buffer yet).
-    `running` counts the operations between passing the law and finishing: each may still roll
-    back, so no wait is declared endless while one runs.
+    `inserts` counts the items whose buffer is published and whom the law has counted in;
+    `reserved` those that passed the law and are being written. Inserters test the law on
+    `inserts + reserved` (two cannot pass on the same state), samplers on `inserts` (they
+    never count items not in the buffer yet). `running` counts the operations between passing
+    the law and finishing: each may still roll back, so no wait is declared endless while one
+    runs.
+
+    Over a buffer spread across `shares` processes, `inserts` are the global counts as of the
+    last exchange with the other processes (`folded`), and this process's published inserts
+    since then are `local`: its actors are held to its share of the law (`Rate.can_insert`
+    with `shares`), and its learner exchanges the counts before it waits (`ReplayService`).
     """
 
-    def __init__(self, rate: Rate, inserts: int, samples: int):
-        self.rate = rate
+    def __init__(self, rate: Rate, inserts: int, samples: int, shares: int):
+        self.rate, self.shares = rate, shares
         self.cond = threading.Condition(threading.Lock())
-        self.inserts, self.reserved, self.samples, self.running = inserts, 0, samples, 0
+        self.inserts, self.local, self.reserved = inserts, 0, 0
+        self.samples, self.running = samples, 0
         self.present: dict[Side, int] = {"actor": 0, "learner": 0}
         self.seen: dict[Side, bool] = {"actor": False, "learner": False}
         self.inserts_closed = False
@@ -113,7 +124,7 @@ class _Gate:
             raise _closed(call, self.cause) from self.cause
 
     def ended(self, side: Side) -> str | None:
-        """Why `side` will not act again, or `None`. Call with the lock held."""
+        """Why `side` will not act again (it has stopped), or `None`. Call with the lock."""
         if side == "actor" and self.inserts_closed:
             return "inserts were closed (`close_inserts()`)"
         if self.seen[side] and self.present[side] == 0:
@@ -122,36 +133,53 @@ class _Gate:
 
     def _state(self) -> str:
         flight = f" (+{self.reserved} being written)" if self.reserved else ""
-        return f"inserts = {self.inserts}{flight}, samples = {self.samples}; {_law(self.rate)}"
+        local = f" (+{self.local} in this process since)" if self.local else ""
+        return (
+            f"inserts = {self.inserts}{local}{flight}, samples = {self.samples}; {_law(self.rate)}"
+        )
 
     def _wait(
-        self, deadline: float | None, timeout: float | None, other: Side, why: str, call: str
+        self,
+        deadline: float | None,
+        timeout: float | None,
+        other: Side,
+        why: str,
+        call: str,
+        *,
+        poll: float | None = None,
     ) -> None:
-        """Wait for a change, or raise if none can help or the deadline has passed."""
+        """Wait for a change (at most `poll` seconds), or raise if none can help or the
+        deadline has passed."""
         ended = self.ended(other)
-        if ended is not None and self.running == 0:
+        if ended is not None and self.running == 0 and poll is None:
             raise WaitCannotEnd(f"`{call}`: {why}, but {ended} ({self._state()}).")
         remaining = None if deadline is None else deadline - time.monotonic()
         if remaining is not None and remaining <= 0:
             raise RateLimitTimeout(
                 f"`{call}`: timed out after {timeout} s: {why} ({self._state()})."
             )
+        if poll is not None:
+            remaining = poll if remaining is None else min(remaining, poll)
         self.cond.wait(remaining)
 
     def pass_insert(self, n: int, noun: str, timeout: float | None, call: str) -> None:
         """Wait until the law lets `n` items in, then reserve them."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        rate = self.rate
         with self.cond:
             while True:
                 self.check_open(call)
                 if self.inserts_closed:
                     raise ServiceClosed(f"`{call}`: inserts were closed (`close_inserts()`).")
-                total = self.inserts + self.reserved
-                if n == 0 or self.rate.can_insert(total, self.samples, n):
+                pending = self.local + self.reserved
+                ok = rate.can_insert(
+                    self.inserts, self.samples, n, shares=self.shares, pending=pending
+                )
+                if n == 0 or ok:
                     self.reserved += n
                     self.running += 1
                     return
-                k = samples_needed(self.rate, total, self.samples, n)
+                k = samples_needed(rate, self.inserts + self.shares * pending, self.samples, n)
                 why = f"the actor waits for {plural(k, 'more sample')} to insert {plural(n, noun)}"
                 self._wait(deadline, timeout, "learner", why, call)
 
@@ -159,25 +187,57 @@ class _Gate:
         """Commit the reserved `n` items (`published`), or release them."""
         with self.cond:
             self.reserved -= n
-            self.inserts += n if published else 0
+            if published:
+                if self.shares == 1:
+                    self.inserts += n  # the law sees every insert at once
+                else:
+                    self.local += n  # counted in at the next exchange
             self.running -= 1
             self.cond.notify_all()
 
-    def pass_sample(self, n: int, timeout: float | None, call: str) -> None:
-        """Wait until the law lets a sample of `n` rows through, then count it."""
+    def pass_sample(
+        self,
+        n: int,
+        timeout: float | None,
+        call: str,
+        exchange: Callable[[int, bool], tuple[int, bool]] | None = None,
+    ) -> None:
+        """Wait until the law lets a sample of `n` rows through, then count it. With
+        `exchange` (a buffer across processes), the counts are exchanged with the other
+        processes' learners whenever the law does not allow it yet: every learner then reaches
+        the same verdict, and waits (or gives up) with the others."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        rate = self.rate
         with self.cond:
             while True:
                 self.check_open(call)
-                if self.rate.can_sample(self.inserts, self.samples, n):
+                if rate.can_sample(self.inserts, self.samples, n):
                     self.samples += n
                     self.running += 1
                     return
-                k = inserts_needed(self.rate, self.inserts, self.samples, n)
+                if exchange is not None:
+                    local, active = self.local, self.ended("actor") is None
+                    self.cond.release()  # a collective: no lock held while it runs
+                    try:
+                        total, anywhere = exchange(local, active or self.running > 0)
+                    finally:
+                        self.cond.acquire()
+                    self.inserts, self.local = total, self.local - local
+                    if rate.can_sample(self.inserts, self.samples, n):
+                        continue
+                    if not anywhere:
+                        k = inserts_needed(rate, self.inserts, self.samples, n)
+                        raise WaitCannotEnd(
+                            f"`{call}`: the learner waits for {plural(k, 'more insert')} to "
+                            f"sample {plural(n, 'row')}, but every actor of every process has "
+                            f"stopped ({self._state()})."
+                        )
+                k = inserts_needed(rate, self.inserts, self.samples, n)
                 why = (
                     f"the learner waits for {plural(k, 'more insert')} to sample {plural(n, 'row')}"
                 )
-                self._wait(deadline, timeout, "actor", why, call)
+                poll = None if exchange is None else _POLL
+                self._wait(deadline, timeout, "actor", why, call, poll=poll)
 
     def end_sample(self, n: int, done: bool) -> None:
         """Finish a sample of `n` rows; uncount it if it did not run (`done` false)."""
@@ -208,96 +268,57 @@ class _Gate:
             self.cond.notify_all()
 
 
+# How long a learner across processes waits before it exchanges the counts again.
+_POLL = 0.01
+
+
 # ---------------------------------------------------------------------------------------------
-# The buffer operations, jitted once per process. The buffer is the first argument, the one
-# donated. Inserts take arrays only (items, env ids, masks, priorities): plain `jax.jit`, whose
-# dispatch is the cheapest. Samples and updates may take static arguments (a batch size, a
-# `Window`, a function): those go through `_Static`, compared by value as `eqx.filter_jit`
-# compares them.
+# The buffer operations: module-level functions of (arguments, buffer), each compiled once per
+# signature by `eqx.filter_jit`, which also waits for the checks of every call and raises a
+# failed one as `eqx.EquinoxRuntimeError`. The buffer is the last argument, the one donated
+# (`donate="all-except-first"`): the arguments stay the caller's.
 
 
-def _add(buffer: Any, items: Any, args: tuple, kwargs: dict) -> Any:
-    return buffer.add(items, *args, **kwargs)
+def _add(args: tuple, buffer: Any) -> Any:
+    items, env_ids = args
+    if env_ids is None:
+        return buffer.add(items) if _is_replay(buffer) else buffer.add(items, None)
+    return buffer.add(items, env_ids)
 
 
-def _add_batch(buffer: Any, items: Any, args: tuple, kwargs: dict) -> Any:
-    return buffer.add_batch(items, *args, **kwargs)
+def _is_replay(buffer: Any) -> bool:
+    return not isinstance(buffer, AbstractTrajectoryBuffer)
 
 
-def _extend(buffer: Any, items: Any, args: tuple, kwargs: dict) -> Any:
-    return buffer.extend(items, *args, **kwargs)
+def _add_batch(args: tuple, buffer: Any) -> Any:
+    items, priorities, mask = args
+    if priorities is None:
+        return buffer.add_batch(items, mask=mask)
+    return buffer.add_batch(items, priorities, mask=mask)
 
 
-class _Static:
-    """The structure and the non-array leaves of a call's arguments: a static argument of
-    `jax.jit`, hashable and compared by value (as `eqx.filter_jit` compares its static
-    arguments); `_ARRAY` marks where the arrays go."""
-
-    def __init__(self, treedef: Any, leaves: tuple, call: str):
-        self.treedef, self.leaves = treedef, leaves
-        try:
-            self.hash = hash((treedef, leaves))
-        except TypeError:
-            raise TypeError(
-                f"`{call}`: an argument that is not an array must be hashable (it is static: "
-                f"each value compiles once); got {[type(x).__name__ for x in leaves]}."
-            ) from None
-
-    def __hash__(self) -> int:
-        return self.hash
-
-    def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, _Static)
-            and self.treedef == other.treedef
-            and self.leaves == other.leaves
-        )
+def _extend(args: tuple, buffer: Any) -> Any:
+    items, env_ids = args
+    return buffer.extend(items, env_ids)
 
 
-_ARRAY = object()  # where an array goes
+def _sample(args: tuple, buffer: Any) -> Any:
+    key, batch_size, what, options = args
+    if what is None:
+        return buffer.sample(key, batch_size, **options)
+    return buffer.sample(key, batch_size, what, **options)
 
 
-def _split(tree: Any, call: str) -> tuple[list, _Static]:
-    """`tree` as its arrays (`None` elsewhere) and the rest: what `_call` puts back together."""
-    leaves, treedef = jax.tree.flatten(tree)
-    arrays = [eqx.is_array(x) for x in leaves]
-    dynamic = [x if a else None for x, a in zip(leaves, arrays)]
-    static = tuple(_ARRAY if a else x for x, a in zip(leaves, arrays))
-    return dynamic, _Static(treedef, static, call)
+def _pop(args: tuple, buffer: Any) -> Any:
+    (length,) = args
+    items, buffer = buffer.pop(length)
+    return buffer, items
 
 
-def _call(buffer: Any, static: _Static, dynamic: list) -> Any:
-    leaves = [d if s is _ARRAY else s for d, s in zip(dynamic, static.leaves)]
-    fn, args, kwargs = jax.tree.unflatten(static.treedef, leaves)
-    return fn(buffer, *args, **kwargs)
-
-
-def _sample(buffer: Any, *args: Any, **kwargs: Any) -> Any:
-    return buffer.sample(*args, **kwargs)
-
-
-def _sample_mixed(buffer: Any, *args: Any, **kwargs: Any) -> Any:
-    return buffer.sample_mixed(*args, **kwargs)
-
-
-def _sample_transitions(buffer: Any, *args: Any, **kwargs: Any) -> Any:
-    return buffer.sample_transitions(*args, **kwargs)
-
-
-def _sample_by_age(buffer: Any, *args: Any, **kwargs: Any) -> Any:
-    return buffer.sample_by_age(*args, **kwargs)
-
-
-_SAMPLERS = {
-    "sample": _sample,
-    "sample_by_age": _sample_by_age,
-    "sample_transitions": _sample_transitions,
-}
-
-
-def _update(buffer: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    out = fn(buffer, *args, **kwargs)
-    spec = lambda tree: (
+def _update(args: tuple, buffer: Any) -> Any:
+    fn, fn_args = args
+    out = fn(buffer, *fn_args)
+    spec = lambda tree: (  # noqa: E731
         jax.tree.structure(tree),
         [(jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(tree)],
     )
@@ -309,26 +330,43 @@ def _update(buffer: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> A
     return out
 
 
-_INSERTS = {op: jax.jit(op) for op in (_add, _add_batch, _extend)}
-_INSERTS_DONATED = {op: jax.jit(op, donate_argnums=0) for op in (_add, _add_batch, _extend)}
-_CALL = jax.jit(_call, static_argnums=1)
-_CALL_DONATED = jax.jit(_call, static_argnums=1, donate_argnums=0)
+def _jitted(op: Callable[..., Any], donate: bool) -> Callable[..., Any]:
+    return _DONATED[op] if donate else _KEPT[op]
 
 
-def _leading(items: Any, axes: int, call: str) -> tuple[int, ...]:
-    """The first `axes` dimensions of `items`' first leaf, without reading any value."""
-    leaves = jax.tree.leaves(items)
-    shape = np.shape(leaves[0]) if leaves else ()
-    if len(shape) < axes:
-        what = "a leading batch axis" if axes == 1 else "leading axes (n, T)"
-        raise ValueError(f"`{call}`: `items` must have {what}; its first leaf has shape {shape}.")
-    return tuple(shape[:axes])
+_OPS = (_add, _add_batch, _extend, _pop, _update)
+_DONATED = {op: eqx.filter_jit(op, donate="all-except-first") for op in _OPS}
+_KEPT = {op: eqx.filter_jit(op) for op in (*_OPS, _sample)}
 
 
-def _env_count(envs: int, args: tuple, kwargs: dict) -> int:
-    """The number of envs an `add(items, env_ids=None)` or `extend` lists."""
-    env_ids = kwargs["env_ids"] if "env_ids" in kwargs else (args[0] if args else None)
-    return envs if env_ids is None else int(np.size(env_ids))
+def _exchange(buffer: Any, local: int, active: bool) -> tuple[int, bool]:
+    """The inserts of every process's service added to the counts, and whether an actor of
+    any process is still active: one all-reduce over the buffer's shards, which every
+    process's learner makes in the same order. Each process writes its own counts into its
+    own shards' rows (`place_shards`); each count is sent as four 16-bit limbs, so the sum is
+    exact for any count below `2**63`."""
+    shards = buffer.num_shards
+    processes = jax.process_count()
+    row = [(local >> (16 * k)) & 0xFFFF for k in range(4)] + [int(active)]
+    rows = buffer.place_shards(np.tile(np.asarray(row, np.uint32), (shards, 1)))
+    totals = np.asarray(run(_exchanged, buffer, rows))
+    per_process = shards // processes  # every shard of a process sent the same row
+    counted = sum(int(totals[k]) << (16 * k) for k in range(4)) // per_process
+    return counted, bool(totals[4])
+
+
+def _exchanged(buffer: Any, rows: Array) -> Array:
+    return buffer.map_shards(_sum_rows, (rows,), ())[1]
+
+
+def _sum_rows(rows: tuple[Array], shared: tuple, axis: str | None, shards: int) -> Any:
+    (row,) = rows
+    total = row if axis is None else jax.lax.psum(row, axis)
+    return (row[None],), total
+
+
+def _timeout(timeout: float | None, call: str) -> float | None:
+    return None if timeout is None else check_nonnegative_float(timeout, f"{call}(timeout=...)")
 
 
 def _check_amount(rate: Rate, n: int, side: str, noun: str, call: str) -> None:
@@ -343,68 +381,6 @@ def _check_amount(rate: Rate, n: int, side: str, noun: str, call: str) -> None:
         )
 
 
-def _timeout(timeout: float | None, call: str) -> float | None:
-    return None if timeout is None else check_nonnegative_float(timeout, f"{call}(timeout=...)")
-
-
-class _QuietChecks(logging.Filter):
-    """Drops JAX's log of an Equinox check that failed inside a jitted operation of a service,
-    which raises it instead (as `eqx.filter_jit` does). Installed while such operations run."""
-
-    users = 0
-    lock = threading.Lock()
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        error = record.exc_info[1] if record.exc_info else None
-        return type(error).__name__ != "_EquinoxRuntimeError"
-
-
-_QUIET = _QuietChecks()
-_CALLBACKS = logging.getLogger("jax._src.callback")
-
-
-def _quiet(on: bool) -> None:
-    with _QuietChecks.lock:
-        _QuietChecks.users += 1 if on else -1
-        if _QuietChecks.users == (1 if on else 0):
-            (_CALLBACKS.addFilter if on else _CALLBACKS.removeFilter)(_QUIET)
-
-
-def _checked(error: BaseException) -> BaseException:
-    """A failed Equinox check, which plain `jax.jit` raises with its message buried in a long
-    one, as the `eqx.EquinoxRuntimeError` that `eqx.filter_jit` raises; anything else as is."""
-    marker = "_EquinoxRuntimeError: "
-    text = str(error)
-    at = text.find(marker)
-    if at < 0:
-        return error
-    return eqx.EquinoxRuntimeError(text[at + len(marker) :].split("\n\n")[0].rstrip())
-
-
-# Equinox's checks raise (`EQX_ON_ERROR=raise`, the default) from a host callback. On an
-# accelerator the call returns before the callback has run, and a failed check raises only
-# where the result is waited for: `_settled` waits, as `eqx.filter_jit` does, so that the
-# failure reaches the caller before the result is published. Otherwise nothing raises while
-# an operation runs, and nothing is waited for.
-_CHECKS_RAISE = os.environ.get("EQX_ON_ERROR", "raise") == "raise"
-
-
-def _settled(fn: Callable[[], Any], wait: bool = True) -> Any:
-    """`fn()`, waited for if its checks may raise, and a failed check raised as
-    `eqx.filter_jit` raises it."""
-    _quiet(True)
-    try:
-        out = fn()
-        return jax.block_until_ready(out) if wait and _CHECKS_RAISE else out
-    except Exception as error:
-        checked = _checked(error)
-        if checked is error:
-            raise
-        raise checked from None
-    finally:
-        _quiet(False)
-
-
 def _closed(call: str, cause: BaseException | None) -> ServiceClosed:
     why = "" if cause is None else f" (its buffer was lost when an operation failed: {cause!r})"
     return ServiceClosed(f"`{call}`: the service is closed{why}.")
@@ -413,11 +389,10 @@ def _closed(call: str, cause: BaseException | None) -> ServiceClosed:
 class _Cell:
     """The current buffer of a `ReplayService` and the lock that serializes its operations.
 
-    The lock is held while an operation is dispatched, so that none reads a value another has
-    consumed by donation (JAX orders the dispatched operations by their data), and, for one
-    that makes a new buffer, until its checks have passed (`_settled`): a buffer is published
-    only once it is known good. A sample's checks are waited for outside the lock.
-    `published` counts the items in the current value.
+    The lock is held while an operation runs: until its checks have passed (`eqx.filter_jit`
+    waits for them), so that a buffer is published only once it is known good, and so that
+    none reads a value another has consumed by donation. `published` counts the items in the
+    current value.
     """
 
     def __init__(self, buffer: Any, donate: bool, inserts: int, gate: _Gate):
@@ -429,27 +404,34 @@ class _Cell:
         if self.lost is not None:
             raise _closed(call, self.lost) from self.lost
 
-    def write(self, op: Callable[[Any], Any], call: str, n: int = 0) -> None:
-        """`buffer = op(buffer)`, holding `n` more items. If `op` raises after consuming a
-        donated buffer, the buffer is lost and the service closes."""
+    def write(self, op: Callable[..., Any], args: tuple, call: str, n: int = 0) -> Any:
+        """`buffer = op(args, buffer)` (or `buffer, out = ...` for `_pop`), holding `n` more
+        items. If `op` raises after consuming a donated buffer, the buffer is lost and the
+        service closes."""
         with self.lock:
             self._check(call)
             try:
-                self.buffer = _settled(lambda: op(self.buffer))
+                out = _jitted(op, self.donate)(args, self.buffer)
             except BaseException as error:
                 leaves = jax.tree.leaves(self.buffer)
                 if any(isinstance(x, jax.Array) and x.is_deleted() for x in leaves):
                     self.lost = error
                     self.gate.close(error)
                 raise
+            self.buffer, result = out if op is _pop else (out, None)
             self.published += n
+            return result
 
-    def read(self, op: Callable[[Any], Any], call: str) -> Any:
-        """`op(buffer)`, which must not consume it."""
+    def read(self, op: Callable[..., Any], args: tuple, call: str) -> Any:
+        """`op(args, buffer)`, which must not consume it."""
         with self.lock:
             self._check(call)
-            out = _settled(lambda: op(self.buffer), wait=False)
-        return _settled(lambda: out)  # its checks, outside the lock: the buffer is unchanged
+            return _KEPT[op](args, self.buffer)
+
+    def exchange(self, local: int, active: bool) -> tuple[int, bool]:
+        with self.lock:
+            self._check("ReplayService.sample")
+            return _exchange(self.buffer, local, active)
 
     def copy(self, call: str) -> tuple[Any, int, int]:
         """The buffer (a copy if later operations may consume it), the items in it, and the
@@ -507,12 +489,23 @@ class ReplayService:
     **Faults.** An exception from the buffer's method reaches the caller, with the counts and
     the buffer as before the call: arguments that do not fit (structure, shapes, dtypes) raise
     before anything runs. A run-time fault (an `eqx.error_if` check: an env id repeated, a NaN
-    priority) raises `eqx.EquinoxRuntimeError` from a host callback, which on an accelerator
-    runs after the call has returned: as `eqx.filter_jit` does, the service waits for the
-    checks of each operation (with `EQX_ON_ERROR=nan` or `off` nothing raises, and nothing is
-    waited for). By then the operation has consumed a donated buffer: with `donate=True` the
-    service closes, and later calls raise `ServiceClosed` with the fault as its cause. With
-    `donate=False` nothing is lost, but each insert copies the buffer.
+    priority) raises `eqx.EquinoxRuntimeError`: every operation runs through `eqx.filter_jit`,
+    which waits for its checks, also on an accelerator. By then the operation has consumed a
+    donated buffer: with `donate=True` the service closes, and later calls raise
+    `ServiceClosed` with the fault as its cause. With `donate=False` nothing is lost, but each
+    insert copies the buffer.
+
+    **Across processes.** Over a global buffer (`GlobalReplay`, `GlobalTrajectoryBuffer`),
+    each process of a `jax.distributed` program runs its own service: its actors insert their
+    own rows (each add a global array of this process's rows, as `rows` makes it; no
+    collective), and its learner samples the whole buffer in step with the other processes'
+    learners (each sample a collective). An actor sees only its own process's inserts since
+    the counts were last exchanged, and is held to its process's share of the law: it may
+    insert if the balance stays within `max_diff` as if every process had inserted as much
+    (summed over the processes, the law's bound holds). A learner whose sample the law does
+    not allow yet exchanges the counts with the other learners (one all-reduce), all reach the
+    same verdict, and they wait, or give up together with `WaitCannotEnd` once every actor of
+    every process has stopped. So the law holds over the global counts, exactly.
 
     **Participants and `WaitCannotEnd`.** Actors run inside `with service.actor():`, learners
     inside `with service.learner():`; each is counted in when the call is made and out when
@@ -575,34 +568,36 @@ class ReplayService:
     def __init__(self, limited: RateLimited, *, donate: bool = True):
         """**Arguments:**
 
-        - `limited`: a `RateLimited`: the buffer (any replay or trajectory buffer) and its
-            `RateLimiter`, whose counts the service starts from (a restored snapshot goes
-            on). The service takes the buffer over: with donation, its first operation
-            consumes `limited.buffer`'s arrays.
+        - `limited`: a `RateLimited`: any buffer (a replay, a trajectory buffer or queue, a
+            global buffer) and its `RateLimiter`, whose counts the service starts from (a
+            restored snapshot goes on). The service takes the buffer over: with donation, its
+            first operation consumes `limited.buffer`'s arrays.
         - `donate`: whether the operations update the buffer in place (the default). Without
             donation every insert copies the buffer, and a run-time fault loses nothing.
 
-        **Raises:** `TypeError` if `limited` is not a `RateLimited` of a replay or trajectory
-        buffer.
+        **Raises:** `TypeError` if `limited` is not a `RateLimited`; `ValueError` for a
+        global buffer whose processes hold unequal numbers of shards.
         """
         if not isinstance(limited, RateLimited):
             raise TypeError(
                 "`ReplayService(limited=...)` must be a `RateLimited` (a buffer and its "
                 f"`RateLimiter`), got {type(limited).__name__}."
             )
-        buffer = limited.buffer
-        if not isinstance(buffer, AbstractReplay | AbstractTrajectoryBuffer):
-            raise TypeError(
-                "`ReplayService(limited=...)`: the buffer must be a replay or a trajectory "
-                f"buffer, got {type(buffer).__name__}."
-            )
         self._donate = check_bool(donate, "ReplayService(donate=...)")
         self._limiter = limited.limiter
-        inserts, samples = self._limiter.counts()
-        self._gate = _Gate(self._limiter.rate, inserts, samples)
+        inserts, samples = limited.counts()
+        buffer = limited.buffer
+        shares = jax.process_count() if buffer.num_shards > 1 else 1
+        if buffer.num_shards % shares:
+            raise ValueError(
+                f"`ReplayService`: the buffer's {buffer.num_shards} shards are not spread "
+                f"evenly over {shares} processes; each process needs the same number."
+            )
+        self._gate = _Gate(self._limiter.rate, inserts, samples, shares)
         self._cell = _Cell(buffer, self._donate, inserts, self._gate)
-        self._envs = buffer.num_envs if isinstance(buffer, AbstractTrajectoryBuffer) else None
-        self._queue = isinstance(buffer, TrajectoryQueue)
+        self._trajectories = isinstance(buffer, AbstractTrajectoryBuffer)
+        self._envs = buffer.num_envs if isinstance(buffer, AbstractTrajectoryBuffer) else 0
+        self._exchange = None if shares == 1 else self._cell.exchange
 
     @property
     def rate(self) -> Rate:
@@ -611,12 +606,18 @@ class ReplayService:
 
     # --- inserts ----------------------------------------------------------------------------
 
-    def add(self, items: PyTree, *args: Any, timeout: float | None = None, **kwargs: Any) -> None:
-        """Wait until the law allows, then store: the buffer's `add(items, *args, **kwargs)`.
+    def add(
+        self,
+        items: PyTree[ArrayLike],
+        env_ids: Integer[ArrayLike, " n"] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> None:
+        """Wait until the law allows, then store: the buffer's `add`.
 
-        For a replay, one item (`args` may hold a `PrioritisedReplay`'s priority). For a
-        trajectory buffer, `add(items, env_ids=None)`: one step for each listed env (every env
-        if `None`), counted as that many steps. Arguments are arrays (NumPy or JAX) or `None`.
+        For a replay, one item (`add(item)`; `env_ids` must be `None`). For a trajectory
+        buffer, `add(items, env_ids=None)`: one step for each listed env (every env if
+        `None`), counted as that many steps. Arguments are arrays (NumPy or JAX) or `None`.
 
         **Arguments:**
 
@@ -628,50 +629,55 @@ class ReplayService:
         `insert_batch_size` (as `RateLimited`); and whatever the buffer's `add` raises.
         """
         call = "ReplayService.add"
-        n = 1 if self._envs is None else _env_count(self._envs, args, kwargs)
-        self._insert(_add, items, args, kwargs, n, timeout, call)
+        if not self._trajectories and env_ids is not None:
+            raise TypeError(f"`{call}`: a replay's `add` takes one item, and no `env_ids`.")
+        if self._trajectories:
+            n = insert_units(items, call, steps=False)
+        else:
+            n = 1
+        self._insert(_add, (items, env_ids), n, timeout, call)
 
     def add_batch(
         self,
-        items: PyTree,
-        *args: Any,
-        mask: Any = None,
+        items: PyTree[ArrayLike],
+        priorities: Real[ArrayLike, " n"] | None = None,
+        *,
+        mask: Bool[ArrayLike, " n"] | None = None,
         timeout: float | None = None,
-        **kwargs: Any,
     ) -> None:
-        """A replay's `add_batch(items, *args, mask=mask, **kwargs)`, once the law allows:
+        """A replay's `add_batch(items, priorities, mask=mask)`, once the law allows:
         counted as the batch's items, or the `True`s of `mask` (read to the host).
         `timeout` and the errors are as for `add`."""
         call = "ReplayService.add_batch"
-        if self._envs is not None:
+        if self._trajectories:
             raise TypeError(f"`{call}`: a trajectory buffer takes `add` and `extend`.")
-        n = _leading(items, 1, call)[0]
-        n = n if mask is None else int(np.count_nonzero(np.asarray(mask)))
-        self._insert(_add_batch, items, args, {**kwargs, "mask": mask}, n, timeout, call)
+        n = insert_units(items, call, steps=False, mask=mask)
+        self._insert(_add_batch, (items, priorities, mask), n, timeout, call)
 
     def extend(
-        self, items: PyTree, *args: Any, timeout: float | None = None, **kwargs: Any
+        self,
+        items: PyTree[ArrayLike],
+        env_ids: Integer[ArrayLike, " n"] | None = None,
+        *,
+        timeout: float | None = None,
     ) -> None:
         """A trajectory buffer's `extend(items, env_ids=None)`, once the law allows: `T` steps
         for each listed env, counted as `n * T` steps. `timeout` and the errors are as for
         `add`."""
         call = "ReplayService.extend"
-        if self._envs is None:
+        if not self._trajectories:
             raise TypeError(f"`{call}`: a replay takes `add` and `add_batch`.")
-        n = _env_count(self._envs, args, kwargs) * _leading(items, 2, call)[1]
-        self._insert(_extend, items, args, kwargs, n, timeout, call)
+        n = insert_units(items, call, steps=True)
+        self._insert(_extend, (items, env_ids), n, timeout, call)
 
-    def _insert(
-        self, op: Callable, items: Any, args: tuple, kwargs: dict, n: int, timeout: Any, call: str
-    ) -> None:
+    def _insert(self, op: Callable[..., Any], args: tuple, n: int, timeout: Any, call: str) -> None:
         timeout = _timeout(timeout, call)
-        noun = "item" if self._envs is None else "step"
+        noun = "step" if self._trajectories else "item"
         _check_amount(self.rate, n, "insert", noun, call)
-        jitted = (_INSERTS_DONATED if self._donate else _INSERTS)[op]
         self._gate.pass_insert(n, noun, timeout, call)
         published = False
         try:
-            self._cell.write(lambda buffer: jitted(buffer, items, args, kwargs), call, n)
+            self._cell.write(op, args, call, n)
             published = True
         finally:
             self._gate.end_insert(n, published)
@@ -682,67 +688,78 @@ class ReplayService:
         self,
         key: PRNGKeyArray,
         batch_size: int,
-        *args: Any,
-        method: str = "sample",
+        what: Window | NStep | None = None,
+        *,
+        distribution_power: Real[ArrayLike, ""] | None = None,
+        source: Source | Mapping[Source, int] | None = None,
+        discount: Real[ArrayLike, ""] | None = None,
+        beta: Real[ArrayLike, ""] | None = None,
+        age: PolicyAge | None = None,
         timeout: float | None = None,
-        **kwargs: Any,
     ) -> Any:
         """Wait until the law allows `batch_size` rows, then return the buffer's
-        `sample(key, batch_size, *args, **kwargs)`, or the `method` named.
+        `sample(key, batch_size, what, ...)` with the options given (those of its family's
+        `sample`: a replay takes `age` and `beta` only).
 
         Arguments that are not arrays (`batch_size`, a `Window`, `source`, a Python float)
         are static: each value compiles once.
 
-        **Arguments:**
-
-        - `method`: the buffer's method to call, each counting `batch_size` rows:
-            `"sample"` (the default), `"sample_by_age"` (with a `PolicyAge`), or
-            `"sample_transitions"` (a `TrajectoryBuffer`'s n-step transitions).
-        - `timeout`: as for `add`.
-
         **Raises:** as `add`, with the limiter's `sample_batch_size` for the rows of one call;
-        `TypeError` for a `TrajectoryQueue` (its `pop` is not served).
+        `TypeError` for a trajectory queue (read with `pop`).
         """
         call = "ReplayService.sample"
         rows = check_positive_int(batch_size, f"{call}(batch_size=...)")
-        fn = _SAMPLERS[check_choice(method, tuple(_SAMPLERS), f"{call}(method=...)")]
-        return self._draw(fn, rows, (key, batch_size, *args), kwargs, timeout, call)
+        given = {
+            "distribution_power": distribution_power,
+            "source": source,
+            "discount": discount,
+            "beta": beta,
+            "age": age,
+        }
+        options = {name: value for name, value in given.items() if value is not None}
+        if not self._trajectories and (what is not None or set(options) - {"beta", "age"}):
+            raise TypeError(
+                f"`{call}`: a replay's `sample` takes `age` and `beta` only; "
+                f"{sorted(set(options) - {'beta', 'age'}) or ['what']} are a trajectory "
+                "buffer's."
+            )
+        return self._draw(_sample, rows, (key, batch_size, what, options), timeout, call)
 
-    def sample_mixed(
-        self,
-        key: PRNGKeyArray,
-        replay_batch_size: int,
-        online_batch_size: int,
-        *args: Any,
-        timeout: float | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        """A `TrajectoryBuffer`'s `sample_mixed`, once the law allows `replay_batch_size +
-        online_batch_size` rows; as `sample` otherwise."""
-        call = "ReplayService.sample_mixed"
-        rows = check_positive_int(replay_batch_size + online_batch_size, f"{call}: the rows")
-        args = (key, replay_batch_size, online_batch_size, *args)
-        return self._draw(_sample_mixed, rows, args, kwargs, timeout, call)
+    def pop(self, sequence_length: int, *, timeout: float | None = None) -> PyTree[Array]:
+        """Wait until the law allows `num_envs` rows, then a trajectory queue's `pop`: the
+        `sequence_length` oldest unread steps of every env, removed.
 
-    def _draw(
-        self, fn: Callable, rows: int, args: tuple, kwargs: dict, timeout: Any, call: str
-    ) -> Any:
+        **Raises:** as `sample`; `TypeError` for a buffer that is not read once.
+        """
+        call = "ReplayService.pop"
+        if not self._trajectories:
+            raise TypeError(f"`{call}`: a replay is sampled, not read once.")
+        rows = self._envs
         timeout = _timeout(timeout, call)
-        if self._queue:
-            raise TypeError(f"`{call}`: a TrajectoryQueue is read by `pop`, which is not served.")
         _check_amount(self.rate, rows, "sample", "row", call)
-        dynamic, static = _split((fn, args, kwargs), call)
-        self._gate.pass_sample(rows, timeout, call)
+        self._gate.pass_sample(rows, timeout, call, self._exchange)
         done = False
         try:
-            out = self._cell.read(lambda buffer: _CALL(buffer, static, dynamic), call)
+            out = self._cell.write(_pop, (sequence_length,), call)
             done = True
         finally:
             self._gate.end_sample(rows, done)
         return out
 
-    def update(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-        """Replace the buffer by `fn(buffer, *args, **kwargs)`, jitted, uncounted: for
+    def _draw(self, op: Callable, rows: int, args: tuple, timeout: Any, call: str) -> Any:
+        timeout = _timeout(timeout, call)
+        _check_amount(self.rate, rows, "sample", "row", call)
+        self._gate.pass_sample(rows, timeout, call, self._exchange)
+        done = False
+        try:
+            out = self._cell.read(op, args, call)
+            done = True
+        finally:
+            self._gate.end_sample(rows, done)
+        return out
+
+    def update(self, fn: Callable[..., Any], *args: PyTree[ArrayLike]) -> None:
+        """Replace the buffer by `fn(buffer, *args)`, compiled, uncounted: for
         `set_priorities` after a learner step.
 
         `fn` is static, compared by identity: pass the same function every time (such as
@@ -755,11 +772,9 @@ class ReplayService:
         call = "ReplayService.update"
         if not callable(fn):
             raise TypeError(f"`{call}`: `fn` must be callable, got {type(fn).__name__}.")
-        dynamic, static = _split((_update, (fn, *args), kwargs), call)
-        jitted = _CALL_DONATED if self._donate else _CALL
         with self._gate.cond:
             self._gate.check_open(call)
-        self._cell.write(lambda buffer: jitted(buffer, static, dynamic), call)
+        self._cell.write(_update, (fn, args), call)
 
     # --- the buffer ---------------------------------------------------------------------------
 
@@ -767,19 +782,27 @@ class ReplayService:
         """The current buffer and its counts, as a `RateLimited` (its limiter's counts set by
         `with_counts`): what to save with `dx.save`, and to start a service from again.
 
-        The counts are those of the items in this buffer. With donation the buffer is a copy
+        The counts are those of the items in this buffer (over processes: every process's,
+        exchanged, so every process calls it, in step). With donation the buffer is a copy
         (the service's own value is consumed by its next operation).
 
         **Raises:** `ServiceClosed` if the buffer was lost.
         """
         buffer, inserts, samples = self._cell.copy("ReplayService.snapshot")
+        if self._exchange is not None:
+            with self._gate.cond:
+                local = self._gate.local
+            inserts = self._cell.exchange(local, False)[0] + 0 * inserts
+            with self._gate.cond:
+                self._gate.inserts, self._gate.local = inserts, self._gate.local - local
         return RateLimited(buffer, self._limiter.with_counts(inserts, samples))
 
     def counts(self) -> tuple[int, int]:
         """The cumulative `(inserts, samples)` the law sees now: the items in the published
-        buffer and the rows of every sample that has passed, as Python ints."""
+        buffer and the rows of every sample that has passed, as Python ints (over processes:
+        the global inserts as of the last exchange, and this process's since)."""
         with self._gate.cond:
-            return self._gate.inserts, self._gate.samples
+            return self._gate.inserts + self._gate.local, self._gate.samples
 
     # --- participants and shutdown -------------------------------------------------------------
 

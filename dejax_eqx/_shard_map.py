@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from jaxtyping import Array, Bool, Int, PRNGKeyArray, PyTree
+from jaxtyping import Array, Bool, PyTree
 
-from ._faults import is_concrete
+from ._faults import Fault, is_concrete
 
 
 class Layout(NamedTuple):
@@ -67,7 +67,7 @@ class Layout(NamedTuple):
         # `shard_map` takes its inputs only as `in_specs` places them: eagerly, and under
         # `jit` on a mesh of explicit axes, where the sharding is part of an array's type.
         placed = NamedSharding(self.mesh, arg_spec)
-        args = tuple(jax.tree.map(lambda x: _place(x, placed), a) for a in args)
+        args = tuple(jax.tree.map(lambda x: place(x, placed), a) for a in args)
         out = mapped(dynamic, *args)
         if not module:
             return out
@@ -82,33 +82,31 @@ class Layout(NamedTuple):
         return self.map(shards, wrapped, args, P(), arg_spec=spec, module=True)[1]
 
 
-def compiled(method: Callable[..., Any]) -> Callable[..., Any]:
-    """`method` under one `eqx.filter_jit` per method, when called outside `jit`: each of its
-    `shard_map`s is then compiled once per signature, not at every eager call (a method's
-    body closes over its static arguments, so eager `shard_map` would trace it afresh). Inside
-    a traced function the method runs as it is."""
-    jitted = eqx.filter_jit(method)
-
-    @functools.wraps(method)
-    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-        leaves = jax.tree.leaves((self, args, kwargs))
-        if not all(is_concrete(x) for x in leaves if eqx.is_array(x)):
-            return method(self, *args, **kwargs)
-        return jitted(self, *args, **kwargs)
-
-    return call
+def run(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)`, compiled once per signature (one `eqx.filter_jit` per function) when
+    called with concrete arguments, and as it is inside a trace. `fn` is a function of module
+    level whose arguments are arrays and static values: an eager `shard_map` of a closure
+    would be traced afresh at every call."""
+    if all(is_concrete(x) for x in jax.tree.leaves(args) if eqx.is_array(x)):
+        return _jitted(fn)(*args)
+    return fn(*args)
 
 
-def _place(x: Any, sharding: NamedSharding) -> Any:
+@functools.cache
+def _jitted(fn: Callable[..., Any]) -> Callable[..., Any]:
+    return eqx.filter_jit(fn)
+
+
+def place(x: Any, sharding: NamedSharding) -> Any:
     if is_concrete(x):
-        return _put(x, sharding)
+        return put(x, sharding)
     explicit = getattr(jax.sharding.AxisType, "Explicit", None)
     if explicit is not None and explicit in getattr(sharding.mesh, "axis_types", ()):
         return jax.sharding.reshard(x, sharding)
     return x
 
 
-def _put(x: Any, sharding: NamedSharding) -> Array:
+def put(x: Any, sharding: NamedSharding) -> Array:
     """`x` placed with `sharding`: a global array as it is if already so placed, else moved;
     a local or host value (the same in every process) as every process's part of it."""
     if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
@@ -118,7 +116,7 @@ def _put(x: Any, sharding: NamedSharding) -> Array:
     if sharding.is_fully_addressable:
         return jax.device_put(x, sharding)
     if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-        data = _put(jax.random.key_data(x), sharding)
+        data = put(jax.random.key_data(x), sharding)
         return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
     host = np.asarray(x)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
@@ -131,37 +129,62 @@ def per_shard(values: PyTree[Array], axis: str, n: int) -> PyTree[Array]:
     me = jax.lax.axis_index(axis)
     values = jax.tree.map(jnp.asarray, values)
     rows = jax.tree.map(lambda x: jnp.zeros((n, *x.shape), x.dtype).at[me].set(x), values)
-    return _psum_bits(rows, jnp.arange(n) == me, axis)
+    return psum_words(rows, axis)
 
 
 def assemble(rows: PyTree[Array], mine: Bool[Array, " b"], axis: str) -> PyTree[Array]:
     """The rows each device owns (`mine`, one flag per row of every leaf), put together in
     every device: one all-reduce of the batch."""
-    return _psum_bits(rows, mine, axis)
+    return psum_words(_owned(rows, mine), axis)
+
+
+def assemble_with_faults(
+    rows: PyTree[Array], mine: Bool[Array, " b"], faults: list[Fault], axis: str
+) -> tuple[PyTree[Array], list[Fault]]:
+    """`assemble` of the rows, and the faults each device found for its own rows, held in
+    every device if they hold in any: one all-reduce for both."""
+    preds = jnp.stack([jnp.any(p) for p, _ in faults]) if faults else jnp.zeros(0, jnp.bool_)
+    rows, counts = psum_words((_owned(rows, mine), preds.astype(jnp.uint32)), axis)
+    return rows, [(counts[i] > 0, message) for i, (_, message) in enumerate(faults)]
+
+
+def replicated_faults(faults: list[Fault], axis: str) -> list[Fault]:
+    """The faults each device found, held in every device if they hold in any: one
+    all-reduce of a word per fault (none without faults)."""
+    return assemble_with_faults((), jnp.zeros(0, jnp.bool_), faults, axis)[1]
+
+
+def _owned(rows: PyTree[Array], mine: Bool[Array, " b"]) -> PyTree[Array]:
+    """The rows where `mine`, zeros elsewhere."""
+
+    def keep(x: Array) -> Array:
+        return jnp.where(mine.reshape(mine.shape + (1,) * (x.ndim - 1)), x, jnp.zeros_like(x))
+
+    return jax.tree.map(keep, rows)
 
 
 _BITS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
 
-def _psum_bits(rows: PyTree[Array], mine: Bool[Array, " b"], axis: str) -> PyTree[Array]:
-    """`psum` of the rows where `mine` (zeros elsewhere), as one all-reduce: every leaf's
-    rows are turned into 32-bit words, side by side, and back. Values travel as their bits,
-    so a float comes back bit for bit (-0.0 and NaN payloads included), never as a sum of
-    floats; and one collective costs one round trip, where one per leaf (as XLA leaves
-    collectives of different dtypes) costs one each."""
-    leaves, treedef = jax.tree.flatten(rows)
+def psum_words(tree: PyTree[Array], axis: str) -> PyTree[Array]:
+    """`psum` of every leaf of `tree` over `axis`, as one all-reduce: every leaf is turned
+    into 32-bit words, side by side, and back. Values travel as their bits, so where only one
+    device contributes a non-zero value (an assembled row), it comes back bit for bit
+    (-0.0 and NaN payloads included), never as a sum of floats; and one collective costs one
+    round trip, where one per leaf (as XLA leaves collectives of different dtypes) costs one
+    each. A bool leaf comes back as the count of devices where it holds (uint32)."""
+    leaves, treedef = jax.tree.flatten(tree)
     if not leaves:
-        return rows
+        return tree
     words = [_to_words(x) for x in leaves]
-    packed = jnp.concatenate(words, axis=1)
-    packed = jax.lax.psum(jnp.where(mine[:, None], packed, 0), axis)
-    splits = np.cumsum([w.shape[1] for w in words])[:-1]
-    parts = jnp.split(packed, splits, axis=1)
+    packed = jax.lax.psum(jnp.concatenate(words), axis)
+    splits = np.cumsum([w.shape[0] for w in words])[:-1]
+    parts = jnp.split(packed, splits)
     return jax.tree.unflatten(treedef, [_from_words(w, x) for w, x in zip(parts, leaves)])
 
 
 def _to_words(x: Array) -> Array:
-    """`x` (a leading axis of rows) as uint32 words, `(rows, words per row)`."""
+    """`x` as a flat vector of uint32 words."""
     if jnp.issubdtype(x.dtype, jnp.complexfloating):
         x = jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
     if x.dtype == jnp.bool_:
@@ -170,11 +193,12 @@ def _to_words(x: Array) -> Array:
         bits = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(x, jnp.uint64), jnp.uint32)
     else:
         bits = jax.lax.bitcast_convert_type(x, _BITS[x.dtype.itemsize]).astype(jnp.uint32)
-    return bits.reshape(x.shape[0], -1)
+    return bits.reshape(-1)
 
 
 def _from_words(words: Array, like: Array) -> Array:
-    """The inverse of `_to_words`, for an array of `like`'s shape and dtype."""
+    """The inverse of `_to_words`, for an array of `like`'s shape and dtype (a bool as its
+    count, uint32)."""
     dtype, shape = like.dtype, like.shape
     if jnp.issubdtype(dtype, jnp.complexfloating):
         part = jnp.zeros((*shape, 2), jnp.real(like).dtype)
@@ -187,31 +211,3 @@ def _from_words(words: Array, like: Array) -> Array:
     else:
         bits = words.reshape(shape).astype(_BITS[dtype.itemsize])
     return jax.lax.bitcast_convert_type(bits, dtype)
-
-
-def locate(targets: Array, masses: Array) -> tuple[Int[Array, " b"], Array]:
-    """For each target in `[0, Σ masses)`, the shard whose slice of the total holds it and the
-    target's place in that shard's slice. `masses` is `(shards,)` or, per row, `(b,
-    shards)`. A shard of zero mass is never chosen; a target rounded up to the total goes to
-    the last shard of positive mass."""
-    ends = jnp.cumsum(masses, axis=-1)
-    if masses.ndim == 1:
-        owner = jnp.searchsorted(ends, targets, side="right", method="compare_all")
-        owner = jnp.minimum(owner, jnp.argmax(ends)).astype(jnp.int32)
-        begin = (ends - masses)[owner]
-        return owner, jnp.minimum(targets - begin, masses[owner])
-    owner = jnp.sum(ends <= targets[:, None], axis=-1)
-    owner = jnp.minimum(owner, jnp.argmax(ends, axis=-1)).astype(jnp.int32)
-    rows = jnp.arange(targets.shape[0])
-    begin = (ends - masses)[rows, owner]
-    return owner, jnp.minimum(targets - begin, masses[rows, owner])
-
-
-def float_targets(key: PRNGKeyArray, batch_size: int, total: Array, stratified: bool) -> Array:
-    """What `draw_leaves` draws from one tree of mass `total`, for a total over shards (a
-    scalar, or one per row)."""
-    dtype = total.dtype
-    uniform = jax.random.uniform(key, (batch_size,), dtype)
-    if stratified:
-        return (jnp.arange(batch_size, dtype=dtype) + uniform) * (total / batch_size)
-    return uniform * total

@@ -14,6 +14,7 @@ from ._checks import (
     as_prototype,
     check_index,
     check_items,
+    check_mask_like,
     check_positive_int,
     check_sequences,
     count_ids,
@@ -274,15 +275,20 @@ def check_append(
 
 
 def check_newest(
-    streams: Streams, env_ids: Integer[ArrayLike, "*n"] | None, call: str
+    streams: Streams,
+    env_ids: Integer[ArrayLike, "*n"] | None,
+    call: str,
+    *,
+    mask: Bool[ArrayLike, "*n"] | None = None,
 ) -> tuple[PyTree[Array], list[Fault]]:
     """The door of `newest`: the newest step of each listed env, and the faults (an id out of
-    range, an env without steps)."""
+    range, an env without steps), of the entries where `mask` holds."""
     if env_ids is None:
         rows = jnp.arange(streams.num_envs, dtype=jnp.int32)
         bad = jnp.zeros(streams.num_envs, jnp.bool_)
     else:
         rows, bad = check_index(env_ids, streams.num_envs, f"{call}(env_ids=...)")
+    valid = jnp.ones(rows.shape, jnp.bool_) if mask is None else check_mask_like(mask, rows, call)
     rows = jnp.where(bad, 0, rows)  # any row: the result is not used when one is bad
     flat = rows.reshape(-1)
     steps = jax.tree.map(
@@ -290,9 +296,9 @@ def check_newest(
         gather_steps(streams, flat, jnp.ones_like(flat), 1),
     )
     return steps, [
-        (bad, f"`{call}`: {out_of_range(streams.num_envs)}"),
+        (bad & valid, f"`{call}`: {out_of_range(streams.num_envs)}"),
         (
-            ~bad & (streams.lengths[rows] == 0),
+            valid & ~bad & (streams.lengths[rows] == 0),
             f"`{call}`: an env has no stored step yet; there is nothing to peek at",
         ),
     ]
@@ -355,11 +361,21 @@ def check_stamps(
 
 
 def check_stale(
-    streams: Streams, env_ids: Integer[ArrayLike, "*n"], starts: Integer[ArrayLike, "*n"], call: str
+    streams: Streams,
+    env_ids: Integer[ArrayLike, "*n"],
+    starts: Integer[ArrayLike, "*n"],
+    call: str,
+    *,
+    mask: Bool[ArrayLike, "*n"] | None = None,
 ) -> tuple[Bool[Array, "*n"], list[Fault]]:
-    """The door of `stale`: whether each stamp's first step has been overwritten."""
+    """The door of `stale`: whether each stamp's first step has been overwritten (`False`
+    where `mask` does not hold, and no fault there)."""
     stamps = check_stamps(streams, env_ids, starts, call)
-    return stamps.stale, stamps.faults
+    if mask is None:
+        return stamps.stale, stamps.faults
+    valid = check_mask_like(mask, stamps.env, call)
+    faults: list[Fault] = [(jnp.asarray(pred) & valid, msg) for pred, msg in stamps.faults]
+    return stamps.stale & valid, faults
 
 
 def append_steps(

@@ -1,33 +1,53 @@
 """TrajectoryBuffer: per-env streams with a replay window and an online queue."""
 
-import warnings
-from typing import Any, Literal, TypeVar
+from collections.abc import Mapping
+from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, Integer, PRNGKeyArray, PyTree, Real
 
-from ._abstract import AbstractTrajectoryBuffer
+from ._abstract import AbstractTrajectoryBuffer, Source
 from ._checks import (
     as_float,
     check_choice,
+    check_mask,
     check_nonnegative_int,
-    check_positive_int,
     check_real_scalar,
+    LeafName,
     Prototype,
 )
+from ._deprecated import warn_replaced
 from ._faults import check_faults, Fault
-from ._nstep import as_nstep, draw_transitions, NStep, Transitions
-from ._sequences import admissible, draw_starts, phase, start_log_weights
-from ._staleness import AgedSample, draw_by_age, PolicyAge, read_step_ages
-from ._streams import Appended, check_append, check_stamps, grow, make_streams, Streams
-from ._windows import as_window, read_windows, SequenceSample, Window
+from ._laws import (
+    AbstractEnumerableLaw,
+    AbstractLaw,
+    Candidates,
+    Draw,
+    in_union,
+    MixedLaw,
+    single,
+    split_union,
+)
+from ._nstep import as_nstep, NStep, read_transitions, Transitions
+from ._policy_age import aged, PolicyAge
+from ._priorities import check_beta
+from ._sequences import admissible, draw_starts, Law, phase, start_log_weights
+from ._streams import (
+    Appended,
+    check_append,
+    check_stamps,
+    grow,
+    make_streams,
+    step_backs,
+    Streams,
+)
+from ._windows import as_window, EpisodeEnds, read_windows, SequenceSample, Window
 
 
 _TB = TypeVar("_TB", bound="TrajectoryBuffer")
 
-Source = Literal["replay", "online"]
 SOURCES: tuple[Source, ...] = ("replay", "online")
 _EMPTY: dict[Source, str] = {
     "replay": "cannot sample from an empty TrajectoryBuffer: no env has any stored step",
@@ -141,80 +161,114 @@ class TrajectoryBuffer(AbstractTrajectoryBuffer):
         """Empty the online queue of every env; the replay windows keep all their steps."""
         return eqx.tree_at(lambda b: b.online_length, self, jnp.zeros_like(self.online_length))
 
+    def law(
+        self,
+        what: Window | NStep | None = None,
+        *,
+        distribution_power: Real[ArrayLike, ""] | None = None,
+        source: Source | Mapping[Source, int] | None = None,
+        discount: Real[ArrayLike, ""] | None = None,
+        beta: Real[ArrayLike, ""] | None = None,
+        age: PolicyAge | None = None,
+        call: str = "TrajectoryBuffer.law",
+    ) -> tuple[AbstractLaw, list[Fault]]:
+        """Windows (`what` a `Window`): every admissible start of every env of the source,
+        uniformly with a strict window, else a start whose window holds `r` real steps in
+        proportion to `r ** distribution_power`; a `SequenceSample`. Transitions (`what` an
+        `NStep`): every step whose `n` following steps are stored, uniformly; `Transitions`.
+        With `age`, the same law times each start's age weight (an `AgedSample`, whose
+        weights are 1). Costs O(num_envs + W + batch_size · W) per draw, whatever
+        `max_length` (the method is in `dejax_eqx/README.md`); with `age`, O(num_envs ·
+        max_length)."""
+        sources = _sources(source, call)
+        if age is None and beta is not None:
+            raise TypeError(
+                f"`{call}(beta=...)` sets the importance weights of an aged sample; windows "
+                "and transitions of a TrajectoryBuffer have none. Give `age` too, or leave "
+                "`beta` out."
+            )
+        faults: list[Fault] = []
+        if isinstance(what, NStep):
+            what.check(self.item_spec, self.max_length, call)
+            if distribution_power is not None:
+                raise TypeError(
+                    f"`{call}(distribution_power=...)` weighs the starts of windows; n-step "
+                    "transitions are drawn uniformly. Leave it out."
+                )
+            if discount is None:
+                raise TypeError(f"`{call}`: an `NStep` needs `discount=`, the per-step discount.")
+            gamma, faults = check_discount(discount, call)
+            parts = [TransitionsLaw(what, gamma, s) for s in sources]
+        elif isinstance(what, Window):
+            what.check(self.item_spec, self.max_length, call)
+            if discount is not None:
+                raise TypeError(
+                    f"`{call}(discount=...)` is for n-step transitions (`what` an `NStep`); a "
+                    "window has none."
+                )
+            power, faults = check_power(
+                1.0 if distribution_power is None else distribution_power, call
+            )
+            parts = [WindowLaw(what, power, s) for s in sources]
+        else:
+            raise TypeError(
+                f"`{call}`: `what` must be a `dx.Window` (windows) or a `dx.NStep` (n-step "
+                f"transitions), got {what!r}."
+            )
+        if age is not None:
+            beta, beta_faults = check_beta(1.0 if beta is None else beta, call, jnp.float32)
+            faults += beta_faults
+            noun = "window start" if isinstance(what, Window) else "transition start"
+            parts = [
+                aged(part, self, age, None, stratified=False, noun=noun, call=call)
+                for part in parts
+            ]
+        if isinstance(source, Mapping):
+            return MixedLaw(tuple(parts), tuple(sources.values()), call), faults
+        return parts[0], faults
+
     def sample(
         self,
         key: PRNGKeyArray,
         batch_size: int,
-        window: Window | int,
+        what: Window | NStep | int | None = None,
         *,
-        distribution_power: Real[ArrayLike, ""] = 1.0,
-        source: Source = "replay",
-        **options: Any,
-    ) -> SequenceSample:
-        """Draw `batch_size` windows, with replacement, from the replay windows or the online
-        queue.
-
-        Every admissible start of every env may be drawn (`Window` says which are): with
-        `window.strict`, uniformly; else a start whose window holds `r` real steps with
-        probability proportional to `r ** distribution_power`.
-
-        **Arguments:**
-
-        - `key`: a JAX PRNG key. It is used, never stored.
-        - `batch_size`: the number of windows, a positive Python int (static).
-        - `window`: a `Window` (static): `W = burn_in + sequence_length + bootstrap` at most
-            `max_length`, and its `done` leaves booleans of one value per step.
-        - `distribution_power`: a finite real exponent (default `1.0`; `0.0` makes every
-            admissible start equally likely). A traced scalar: pass it as a JAX array to change
-            it between calls of a jitted function without recompiling (a Python float is a
-            static argument of `eqx.filter_jit`). With a strict window it has no effect.
-        - `source`: `"replay"` (the default) or `"online"`.
-
-        **Returns:** a `SequenceSample` `(items, mask, learn, env, start)`: `items` has the
-        prototype's structure, each leaf of shape `(batch_size, W, *leaf_shape)`, zero where
-        `mask` is `False`; `learn` is `mask` on the learning part; `(env, start)` is the stamp.
-
-        **Raises:** `ValueError`/`TypeError` at once for bad static arguments or a window these
-        streams cannot hold; an `eqx.error_if` error if no env has an admissible start in the
-        chosen source (for example, an empty buffer), or if `distribution_power` is not
-        finite.
-        """
+        distribution_power: Real[ArrayLike, ""] | None = None,
+        source: Source | Mapping[Source, int] | None = None,
+        discount: Real[ArrayLike, ""] | None = None,
+        beta: Real[ArrayLike, ""] | None = None,
+        age: PolicyAge | None = None,
+        burn_in: int | None = None,
+        bootstrap: int | None = None,
+        period: int | None = None,
+        strict: bool | None = None,
+        episode_ends: EpisodeEnds | None = None,
+        done: LeafName | tuple[LeafName, ...] | None = None,
+    ) -> Any:
+        """As `AbstractTrajectoryBuffer.sample`. `burn_in`, `bootstrap`, `period`, `strict`,
+        `episode_ends` and `done`, with `what` an int (the sequence length), are the
+        deprecated form of a `Window`."""
         call = "TrajectoryBuffer.sample"
-        batch_size = check_positive_int(batch_size, f"{call}(batch_size=...)")
-        window = self._window(window, options, call)
-        source = check_choice(source, SOURCES, f"{call}(source=...)")
-        power, power_faults = check_power(distribution_power, call)
-        out = self._draw(key, source, batch_size, window, power)
-        faults = [*power_faults, _no_start_fault(self, source, window, call)]
-        return check_faults(out, faults, order_reads=False)
-
-    def sample_by_age(
-        self,
-        key: PRNGKeyArray,
-        batch_size: int,
-        age: PolicyAge,
-        window: Window,
-        *,
-        distribution_power: Real[ArrayLike, ""] = 1.0,
-        source: Source = "replay",
-    ) -> AgedSample:
-        """`sample`, restricted to the windows whose first step has policy age at most
-        `age.max_age`, and weighted `1 / (age + 1)` for `age.decay="inverse"` (see
-        `PolicyAge`). The other arguments are `sample`'s. Enumerates every stored step:
-        O(num_envs · max_length) per call, where `sample` is O(num_envs + W + batch_size · W).
-
-        **Returns:** an `AgedSample`; its `items` are a `SequenceSample`, its `weights` are 1.
-
-        **Raises:** as `sample`; an `eqx.error_if` error for a stored version greater than
-        `age.current` or negative, or if every admissible start is older than `max_age`.
-        """
-        call = "TrajectoryBuffer.sample_by_age"
-        batch_size = check_positive_int(batch_size, f"{call}(batch_size=...)")
-        window = self._window(window, {}, call)
-        source = check_choice(source, SOURCES, f"{call}(source=...)")
-        power = distribution_power
-        out, faults = _draw_by_age(self, key, batch_size, age, window, power, source, call)
-        return check_faults(out, faults, order_reads=False)
+        options = _given(
+            burn_in=burn_in,
+            bootstrap=bootstrap,
+            period=period,
+            strict=strict,
+            episode_ends=episode_ends,
+            done=done,
+        )
+        if not isinstance(what, NStep):
+            what = as_window(what, options, call)
+        return super().sample(
+            key,
+            batch_size,
+            what,
+            distribution_power=distribution_power,
+            source=source,
+            discount=discount,
+            beta=beta,
+            age=age,
+        )
 
     def sample_mixed(
         self,
@@ -223,34 +277,43 @@ class TrajectoryBuffer(AbstractTrajectoryBuffer):
         online_batch_size: int,
         window: Window | int,
         distribution_power: Real[ArrayLike, ""] = 1.0,
-        **options: Any,
+        *,
+        burn_in: int | None = None,
+        bootstrap: int | None = None,
+        period: int | None = None,
+        strict: bool | None = None,
+        episode_ends: EpisodeEnds | None = None,
+        done: LeafName | tuple[LeafName, ...] | None = None,
     ) -> SequenceSample:
-        """Windows from the replay windows and from the online queue, in one batch: the same
-        as sampling `replay_batch_size` windows with `source="replay"` and `online_batch_size`
-        with `source="online"` (from two keys split from `key`) and concatenating them, replay
-        rows first. Either size may be 0 (not both); a part of size 0 is not sampled, so its
-        source may be empty. The other arguments are as for `sample`.
-
-        **Raises:** as `sample`, for each part of non-zero size.
-        """
+        """Deprecated: `sample(key, replay_batch_size + online_batch_size, window,
+        source={"replay": replay_batch_size, "online": online_batch_size},
+        distribution_power=...)`, the same windows (removed in the next release)."""
         call = "TrajectoryBuffer.sample_mixed"
-        sizes: dict[Source, int] = {
+        warn_replaced(
+            call,
+            'sample(key, replay_batch_size + online_batch_size, window, source={"replay": '
+            'replay_batch_size, "online": online_batch_size})',
+        )
+        sizes = {
             "replay": check_nonnegative_int(replay_batch_size, f"{call}(replay_batch_size=...)"),
             "online": check_nonnegative_int(online_batch_size, f"{call}(online_batch_size=...)"),
         }
-        if sizes["replay"] + sizes["online"] == 0:
-            raise ValueError(
-                f"`{call}`: `replay_batch_size` and `online_batch_size` are both 0; ask for "
-                "at least one sequence."
-            )
-        window = self._window(window, options, call)
-        power, power_faults = check_power(distribution_power, call)
-        keys: dict[Source, Array] = dict(zip(SOURCES, jax.random.split(key)))
-        drawn: list[Source] = [s for s in SOURCES if sizes[s] > 0]
-        parts = [self._draw(keys[s], s, sizes[s], window, power) for s in drawn]
-        out = jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
-        faults = [*power_faults] + [_no_start_fault(self, s, window, call) for s in drawn]
-        return check_faults(out, faults, order_reads=False)
+        options = _given(
+            burn_in=burn_in,
+            bootstrap=bootstrap,
+            period=period,
+            strict=strict,
+            episode_ends=episode_ends,
+            done=done,
+        )
+        window = as_window(window, options, call)
+        return super().sample(
+            key,
+            sizes["replay"] + sizes["online"],
+            window,
+            distribution_power=distribution_power,
+            source=sizes,  # pyright: ignore[reportArgumentType]
+        )
 
     def sample_transitions(
         self,
@@ -260,53 +323,25 @@ class TrajectoryBuffer(AbstractTrajectoryBuffer):
         *,
         discount: Real[ArrayLike, ""],
         source: Source = "replay",
-        **options: Any,
+        reward: LeafName | None = None,
+        terminated: LeafName | None = None,
+        truncated: LeafName | None = None,
     ) -> Transitions:
-        """Draw `batch_size` n-step transitions (described by `nstep`), uniformly with
-        replacement, over every env.
-
-        A step may start a transition once the `n` steps after it are stored, whether or not
-        its episode ended sooner: the newest `n` steps of a stream wait. Transitions never
-        read past an env's newest step, and the ring wrap is invisible.
-
-        **Arguments:**
-
-        - `key`: a JAX PRNG key.
-        - `batch_size`: the number of transitions, a positive Python int (static).
-        - `nstep`: an `NStep` (static), with `n + 1 <= max_length`.
-        - `discount`: the per-step discount, a real scalar in `[0, 1]` (may be traced).
-        - `source`: `"replay"` (the default) or `"online"`.
-
-        **Returns:** `Transitions` `(first, returns, discount, next, env, start)`.
-
-        **Raises:** `ValueError`/`TypeError` at once for bad static arguments or leaf names;
-        an `eqx.error_if` error if no env holds `n + 1` steps in the chosen source, or if
-        `discount` is not in `[0, 1]`.
-        """
+        """Deprecated: `sample(key, batch_size, nstep, discount=..., source=...)`, the same
+        transitions (removed in the next release)."""
         call = "TrajectoryBuffer.sample_transitions"
-        batch_size = check_positive_int(batch_size, f"{call}(batch_size=...)")
+        warn_replaced(call, "sample(key, batch_size, nstep, discount=..., source=...)")
+        options = _given(reward=reward, terminated=terminated, truncated=truncated)
         nstep = as_nstep(nstep, options, call)
-        nstep.check(self.item_spec, self.max_length, call)
-        source = check_choice(source, SOURCES, f"{call}(source=...)")
-        discount = check_real_scalar(discount, call, "discount")
-        gamma, faults = as_float(discount, jnp.float32, call, "discount")
-        lengths = self.lengths(source)
-        out = draw_transitions(key, self.streams, lengths, batch_size, nstep, gamma)
-        faults += [
-            (~((gamma >= 0) & (gamma <= 1)), f"`{call}`: `discount` must be in [0, 1]"),
-            (
-                ~jnp.any(lengths > nstep.n),
-                f"`{call}`: no env's {source} window holds n + 1 = {nstep.n + 1} steps yet; a "
-                "transition needs its n steps and the step after them",
-            ),
-        ]
-        return check_faults(out, faults, order_reads=False)
+        return super().sample(key, batch_size, nstep, discount=discount, source=source)
 
     def read(
         self,
         env_ids: Integer[ArrayLike, " n"],
         starts: Integer[ArrayLike, " n"],
         window: Window,
+        *,
+        mask: Bool[ArrayLike, " n"] | None = None,
     ) -> SequenceSample:
         """The windows named by stamps `(env_ids, starts)`, read again: as `sample` returned
         them if they are not stale and no step was added since; else with the steps they now
@@ -317,6 +352,8 @@ class TrajectoryBuffer(AbstractTrajectoryBuffer):
         - `env_ids`, `starts`: integer arrays of shape `(n,)`, stamps as a sample gives them.
         - `window`: a `Window` (static). Its period and strictness are not consulted: the
             starts are given.
+        - `mask`: optional boolean array of shape `(n,)`: only the entries where it is `True`
+            are checked (the windows of the others are meaningless).
 
         **Returns:** a `SequenceSample` of `n` windows.
 
@@ -324,47 +361,55 @@ class TrajectoryBuffer(AbstractTrajectoryBuffer):
         has been overwritten: check `stale` first).
         """
         call = "TrajectoryBuffer.read"
-        window = self._window(window, {}, call)
+        window = as_window(window, {}, call)
+        window.check(self.item_spec, self.max_length, call)
         stamps = check_stamps(self.streams, env_ids, starts, call, ndim=1)
         back = jnp.clip(stamps.taken - stamps.start, 1, self.max_length)
-        stale = (
-            ~stamps.bad & stamps.stale,
-            f"`{call}`: a window is stale (its first step has been overwritten); read only "
-            "the windows `stale` says are not",
-        )
+        faults = [
+            *stamps.faults,
+            (
+                ~stamps.bad & stamps.stale,
+                f"`{call}`: a window is stale (its first step has been overwritten); read only "
+                "the windows `stale` says are not",
+            ),
+        ]
+        if mask is not None:
+            valid = check_mask(mask, stamps.env.shape[0], call)
+            faults = [(jnp.asarray(pred) & valid, message) for pred, message in faults]
         out = read_windows(self.streams, stamps.env, back, window)
-        return check_faults(out, [*stamps.faults, stale], order_reads=False)
+        return check_faults(out, faults, order_reads=False)
 
     def overwritten(
         self, env_ids: Integer[ArrayLike, "*n"], starts: Integer[ArrayLike, "*n"]
     ) -> Bool[Array, "*n"]:
         """Deprecated: `stale` under its old name (removed in the next release)."""
-        warnings.warn(
-            "`TrajectoryBuffer.overwritten` is deprecated; use `stale` (the same).",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+        warn_replaced("TrajectoryBuffer.overwritten", "stale (the same)")
         return self.stale(env_ids, starts)
 
-    def _window(self, window: Any, options: dict[str, Any], call: str) -> Window:
-        window = as_window(window, options, call)
-        window.check(self.item_spec, self.max_length, call)
-        return window
 
-    def _draw(
-        self,
-        key: PRNGKeyArray,
-        source: Source,
-        batch_size: int,
-        window: Window,
-        power: Float[Array, ""],
-    ) -> SequenceSample:
-        """Sample without run-time checks. If no env has an admissible start the result is
-        meaningless (and nothing raises)."""
-        lengths = self.lengths(source)
-        starts = phase(self.step_count, window.period)
-        env, back, _ = draw_starts(key, lengths, starts, batch_size, window.law, power)
-        return read_windows(self.streams, env, back, window)
+def _given(**options: Any) -> dict[str, Any]:
+    """The deprecated keyword options that were given (not `None`)."""
+    return {name: value for name, value in options.items() if value is not None}
+
+
+def _sources(source: Any, call: str) -> dict[Source, int]:
+    """`source` as the rows of each source: one source (the rows to be drawn, marked -1), or a
+    mapping of both sources to their numbers of rows."""
+    if source is None:
+        return {"replay": -1}
+    if isinstance(source, str):
+        return {check_choice(source, SOURCES, f"{call}(source=...)"): -1}
+    if isinstance(source, Mapping):
+        if set(source) != set(SOURCES):
+            raise ValueError(
+                f"`{call}(source=...)`: a mapping of sources names both of {SOURCES}, each "
+                f"with its number of rows; got the keys {sorted(map(str, source))}."
+            )
+        return {s: check_nonnegative_int(source[s], f"{call}(source[{s!r}]=...)") for s in SOURCES}
+    raise TypeError(
+        f"`{call}(source=...)` must be 'replay', 'online' or a mapping of both to their "
+        f"numbers of rows, got {source!r}."
+    )
 
 
 def check_power(distribution_power: Real[ArrayLike, ""], call: str) -> tuple[Array, list[Fault]]:
@@ -377,32 +422,15 @@ def check_power(distribution_power: Real[ArrayLike, ""], call: str) -> tuple[Arr
     ]
 
 
-def _draw_by_age(
-    buffer: TrajectoryBuffer,
-    key: PRNGKeyArray,
-    batch_size: int,
-    age: PolicyAge,
-    window: Window,
-    distribution_power: Real[ArrayLike, ""],
-    source: Source,
-    call: str,
-) -> tuple[AgedSample, list[Fault]]:
-    """`sample_by_age` after its trace-time checks, and its faults: every slot `s` of env `e`
-    is the start at back distance `b = (head[e] - s) mod max_length` (`max_length` for 0),
-    weighed by the window law and its first step's age."""
-    power, faults = check_power(distribution_power, call)
-    faults.append(_no_start_fault(buffer, source, window, call))
-    back, ages, age_faults = read_step_ages(age, buffer.streams, call)
-    starts = phase(buffer.step_count, window.period)
-    law = start_log_weights(back, buffer.lengths(source), starts, window.law, power)
-    draw, more = draw_by_age(key, batch_size, age, ages, law, call=call, what="window start")
-    env = draw.indices // buffer.max_length
-    windows = read_windows(buffer.streams, env, back.reshape(-1)[draw.indices], window)
-    return AgedSample(windows, *draw), faults + age_faults + more
-
-
-def _no_start_fault(buffer: TrajectoryBuffer, source: Source, window: Window, call: str) -> Fault:
-    return no_start_fault(buffer.lengths(source), buffer.step_count, source, window, call)
+def check_discount(discount: Real[ArrayLike, ""], call: str) -> tuple[Array, list[Fault]]:
+    """`discount` as a float32 scalar, and the fault of a value outside `[0, 1]`."""
+    gamma, faults = as_float(
+        check_real_scalar(discount, call, "discount"), jnp.float32, call, "discount"
+    )
+    return gamma, [
+        *faults,
+        (~((gamma >= 0) & (gamma <= 1)), f"`{call}`: `discount` must be in [0, 1]"),
+    ]
 
 
 def no_start_fault(
@@ -422,6 +450,167 @@ def no_start_fault(
         f"`{call}`: no env's {source} window has an admissible start; a start needs "
         f"{window.needs()}",
     )
+
+
+class WindowLaw(AbstractEnumerableLaw):
+    """A `TrajectoryBuffer`'s windows: every admissible start of every env of `source`, a
+    start whose window holds `r` real steps weighing `r ** power` (1 when strict). Over a
+    union of buffers, of every env of every buffer: the draw of one buffer of all their envs
+    in order (`_sequences.py` draws it)."""
+
+    window: Window
+    power: Float[Array, ""]
+    source: Source = eqx.field(static=True)
+
+    def summary(self, buffer: TrajectoryBuffer) -> PyTree[Array]:
+        return buffer.lengths(self.source), buffer.step_count
+
+    def draw(self, key: PRNGKeyArray, batch_size: int, summaries: PyTree[Array]) -> Draw:
+        lengths, counts = summaries
+        k = lengths.shape[1]
+        lengths, counts = lengths.reshape(-1), counts.reshape(-1)
+        starts = phase(counts, self.window.period)
+        env, back, _ = draw_starts(key, lengths, starts, batch_size, self.window.law, self.power)
+        owner, env = _env_of(env, k, single(summaries))
+        return Draw(owner, (env, back))
+
+    def read(self, buffer: TrajectoryBuffer, at: PyTree[Array]) -> SequenceSample:
+        env, back = at
+        return read_windows(buffer.streams, env, back, self.window)
+
+    def finish(self, rows: SequenceSample, draw: Draw, summaries: PyTree[Array]) -> SequenceSample:
+        return self.name_candidates(rows, draw.owner, summaries)
+
+    def available(self, summaries: PyTree[Array]) -> Bool[Array, ""]:
+        lengths, counts = summaries
+        return ~jnp.asarray(self._no_start(lengths.reshape(-1), counts.reshape(-1), "")[0])
+
+    def faults(self, summaries: PyTree[Array], call: str) -> list[Fault]:
+        lengths, counts = summaries
+        faults = [self._no_start(lengths.reshape(-1), counts.reshape(-1), call)]
+        return [
+            *faults,
+            (~jnp.isfinite(self.power), f"`{call}`: `distribution_power` must be finite"),
+        ]
+
+    def _no_start(self, lengths: Array, counts: Array, call: str) -> Fault:
+        return no_start_fault(lengths, counts, self.source, self.window, call)
+
+    def candidates(self, buffer: TrajectoryBuffer) -> Candidates:
+        back = step_backs(buffer.streams)
+        starts = phase(buffer.step_count, self.window.period)
+        lengths = buffer.lengths(self.source)
+        log_law = start_log_weights(back, lengths, starts, self.window.law, self.power)
+        return _step_candidates(buffer.streams, log_law.reshape(-1), back)
+
+    def read_candidates(
+        self, buffer: TrajectoryBuffer, index: Int[Array, " batch"]
+    ) -> SequenceSample:
+        env, back = _start_of(buffer.streams, index)
+        return read_windows(buffer.streams, env, back, self.window)
+
+    def name_candidates(
+        self, rows: SequenceSample, owner: Int[Array, " batch"], summaries: PyTree[Array]
+    ) -> SequenceSample:
+        return rows._replace(env=in_union(owner, rows.env, summaries[0].shape[1]))
+
+    def num_candidates(self, buffer: TrajectoryBuffer) -> int:
+        return buffer.num_envs * buffer.max_length
+
+
+class TransitionsLaw(AbstractEnumerableLaw):
+    """A `TrajectoryBuffer`'s n-step transitions: every step of `source` whose `n` following
+    steps are stored, uniformly (the strict law of `n + 1` steps: the newest `n` steps of a
+    stream wait). Over a union of buffers, of every env of every buffer."""
+
+    nstep: NStep
+    gamma: Float[Array, ""]
+    source: Source = eqx.field(static=True)
+
+    @property
+    def _law(self) -> Law:
+        return Law(self.nstep.n + 1, strict=True)
+
+    def summary(self, buffer: TrajectoryBuffer) -> PyTree[Array]:
+        return buffer.lengths(self.source)
+
+    def draw(self, key: PRNGKeyArray, batch_size: int, summaries: PyTree[Array]) -> Draw:
+        k = summaries.shape[1]
+        lengths = summaries.reshape(-1)
+        power = jnp.zeros((), jnp.float32)
+        env, back, _ = draw_starts(
+            key, lengths, jnp.zeros_like(lengths), batch_size, self._law, power
+        )
+        owner, env = _env_of(env, k, single(summaries))
+        return Draw(owner, (env, back))
+
+    def read(self, buffer: TrajectoryBuffer, at: PyTree[Array]) -> Transitions:
+        env, back = at
+        return read_transitions(buffer.streams, env, back, self.nstep, self.gamma)
+
+    def finish(self, rows: Transitions, draw: Draw, summaries: PyTree[Array]) -> Transitions:
+        return self.name_candidates(rows, draw.owner, summaries)
+
+    def available(self, summaries: PyTree[Array]) -> Bool[Array, ""]:
+        return jnp.any(summaries > self.nstep.n)
+
+    def faults(self, summaries: PyTree[Array], call: str) -> list[Fault]:
+        n = self.nstep.n
+        return [
+            (~((self.gamma >= 0) & (self.gamma <= 1)), f"`{call}`: `discount` must be in [0, 1]"),
+            (
+                ~self.available(summaries),
+                f"`{call}`: no env's {self.source} window holds n + 1 = {n + 1} steps yet; a "
+                "transition needs its n steps and the step after them",
+            ),
+        ]
+
+    def candidates(self, buffer: TrajectoryBuffer) -> Candidates:
+        back = step_backs(buffer.streams)
+        lengths = buffer.lengths(self.source)
+        zeros = jnp.zeros_like(lengths)
+        log_law = start_log_weights(back, lengths, zeros, self._law, jnp.zeros((), jnp.float32))
+        return _step_candidates(buffer.streams, log_law.reshape(-1), back)
+
+    def read_candidates(self, buffer: TrajectoryBuffer, index: Int[Array, " batch"]) -> Transitions:
+        env, back = _start_of(buffer.streams, index)
+        return read_transitions(buffer.streams, env, back, self.nstep, self.gamma)
+
+    def name_candidates(
+        self, rows: Transitions, owner: Int[Array, " batch"], summaries: PyTree[Array]
+    ) -> Transitions:
+        return rows._replace(env=in_union(owner, rows.env, summaries.shape[1]))
+
+    def num_candidates(self, buffer: TrajectoryBuffer) -> int:
+        return buffer.num_envs * buffer.max_length
+
+
+def _env_of(
+    env: Int[Array, " batch"], k: int, one: bool
+) -> tuple[Int[Array, " batch"], Int[Array, " batch"]]:
+    """`(owner, env)` of env ids of a union of buffers of `k` envs each (`one`: a single
+    buffer, whose ids are its own)."""
+    if one:
+        return jnp.zeros_like(env), env
+    return split_union(env, k)
+
+
+def _step_candidates(
+    streams: Streams, log_law: Float[Array, " c"], back: Int[Array, "num_envs max_length"]
+) -> Candidates:
+    """Every slot of every env as a candidate start (flat: `env * max_length + slot`), of
+    weight `log_law`, dated by the step it holds."""
+    stored = (back <= streams.lengths[:, None]).reshape(-1)
+    items = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), streams.data)
+    return Candidates(log_law, None, items, stored)
+
+
+def _start_of(
+    streams: Streams, index: Int[Array, " batch"]
+) -> tuple[Int[Array, " batch"], Int[Array, " batch"]]:
+    """`(env, back)` of flat candidate starts `env * max_length + slot`."""
+    back = step_backs(streams).reshape(-1)[index]
+    return index // streams.max_length, back
 
 
 def append_checked(buffer: _TB, done: Appended, guard: Any = ()) -> tuple[_TB, Any]:

@@ -4,18 +4,21 @@ from typing import TypeVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Bool, Int, PRNGKeyArray, PyTree, Shaped
+from jaxtyping import Array, ArrayLike, Bool, Int, PRNGKeyArray, PyTree, Real
 
 from ._abstract import AbstractReplay
 from ._checks import as_prototype, check_fn_output, check_items, check_positive_int, Prototype
-from ._faults import check_faults
-from ._staleness import AgedSample, draw_items_by_age, PolicyAge
+from ._faults import Fault
+from ._laws import AbstractEnumerableLaw, AbstractLaw, Candidates, Draw, locate
+from ._policy_age import aged, PolicyAge
+from ._priorities import check_beta
 from ._storage import (
     apply,
     check_batch,
     CircularBuffer,
     gather,
     gather_slots,
+    stored_mask,
     write,
     write_batch,
 )
@@ -88,54 +91,63 @@ class UniformReplay(AbstractReplay):
         items, mask = check_batch(self.item_spec, items, mask, "UniformReplay.add_batch")
         return eqx.tree_at(lambda r: r.storage, self, write_batch(self.storage, items, mask)[0])
 
-    def sample(self, key: PRNGKeyArray, batch_size: int) -> PyTree[Shaped[Array, "batch ..."]]:
-        batch_size = check_positive_int(batch_size, "UniformReplay.sample(batch_size=...)")
-        return check_faults(
-            self.sample_unchecked(key, batch_size),
-            [
-                (
-                    self.storage.size == 0,
-                    "`UniformReplay.sample`: cannot sample from an empty UniformReplay",
-                )
-            ],
-            order_reads=False,
-        )
-
-    def sample_by_age(self, key: PRNGKeyArray, batch_size: int, age: PolicyAge) -> AgedSample:
-        """Draw `batch_size` stored items, with replacement, among those of policy age at
-        most `age.max_age`: uniformly, or with weight `1 / (age + 1)` for
-        `age.decay="inverse"` (see `PolicyAge`).
-
-        Enumerates the slots: O(max_size) per call, where `sample` is O(batch_size).
-
-        **Arguments:**
-
-        - `key`: a JAX PRNG key.
-        - `batch_size`: a positive Python int (static).
-        - `age`: a `PolicyAge`: how to read an item's policy version, the current version,
-            `max_age` and the decay.
-
-        **Returns:** an `AgedSample` `(items, indices, ages, probabilities, weights,
-        generations)`: the items, their slots, ages and probabilities; the weights are 1 and
-        `generations` is `None`.
-
-        **Raises:** `TypeError` at once if `age.version` does not map an item to an integer
-        scalar; an `eqx.error_if` error if the replay is empty, if a stored version is
-        greater than `age.current` or negative, or if every item is older than `max_age`.
-        """
-        call = "UniformReplay.sample_by_age"
-        batch_size = check_positive_int(batch_size, f"{call}(batch_size=...)")
-        draw, faults = draw_items_by_age(key, batch_size, age, self.storage, call=call)
-        out = AgedSample(gather_slots(self.storage, draw.indices), *draw)
-        empty = (self.storage.size == 0, f"`{call}`: cannot sample from an empty UniformReplay")
-        return check_faults(out, [empty, *faults], order_reads=False)
-
-    def sample_unchecked(
-        self, key: PRNGKeyArray, batch_size: int
-    ) -> PyTree[Shaped[Array, "batch ..."]]:
-        position = jax.random.randint(key, (batch_size,), 0, self.storage.size, dtype=jnp.int32)
-        return gather(self.storage, position)
+    def law(
+        self,
+        *,
+        age: PolicyAge | None = None,
+        beta: Real[ArrayLike, ""] | None = None,
+        call: str = "UniformReplay.law",
+    ) -> tuple[AbstractLaw, list[Fault]]:
+        if age is None:
+            if beta is not None:
+                raise TypeError(_NO_WEIGHTS.format(call=call))
+            return UniformLaw(self.max_size), []
+        beta, faults = check_beta(1.0 if beta is None else beta, call, jnp.float32)
+        base = UniformLaw(self.max_size)
+        return aged(base, self, age, None, stratified=False, noun="item", call=call), faults
 
     def update(self: _U, fn: Callable[[PyTree[Array]], PyTree[Array]]) -> _U:
         check_fn_output(self.item_spec, fn, "UniformReplay.update")
         return eqx.tree_at(lambda r: r.storage, self, apply(self.storage, fn))
+
+
+_NO_WEIGHTS = (
+    "`{call}(beta=...)` sets the importance weights of an aged sample; a plain sample has "
+    "none. Give `age` too, or leave `beta` out."
+)
+
+
+class UniformLaw(AbstractEnumerableLaw):
+    """A `UniformReplay`'s law: every stored item alike. Over a union of replays, every item
+    of every replay alike: the draw of one replay holding their items end to end."""
+
+    max_size: int = eqx.field(static=True)
+
+    def summary(self, buffer: UniformReplay) -> Int[Array, ""]:
+        return buffer.storage.size
+
+    def draw(self, key: PRNGKeyArray, batch_size: int, summaries: PyTree[Array]) -> Draw:
+        total = jnp.sum(summaries)
+        # At least 1: an empty union draws position 0, which the faults report.
+        position = jax.random.randint(key, (batch_size,), 0, jnp.maximum(total, 1), dtype=jnp.int32)
+        owner, position = locate(position, summaries)
+        return Draw(owner, position)
+
+    def read(self, buffer: UniformReplay, at: PyTree[Array]) -> PyTree[Array]:
+        return gather(buffer.storage, at)
+
+    def available(self, summaries: PyTree[Array]) -> Bool[Array, ""]:
+        return jnp.sum(summaries) > 0
+
+    def faults(self, summaries: PyTree[Array], call: str) -> list[Fault]:
+        return [(jnp.sum(summaries) == 0, f"`{call}`: cannot sample from an empty UniformReplay")]
+
+    def candidates(self, buffer: UniformReplay) -> Candidates:
+        stored = stored_mask(buffer.storage)
+        return Candidates(jnp.where(stored, 0.0, -jnp.inf), None, buffer.storage.data, stored)
+
+    def read_candidates(self, buffer: UniformReplay, index: Int[Array, " batch"]) -> PyTree[Array]:
+        return gather_slots(buffer.storage, index)
+
+    def num_candidates(self, buffer: UniformReplay) -> int:
+        return self.max_size

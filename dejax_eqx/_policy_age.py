@@ -1,11 +1,12 @@
 """Policy age: how old the data a learner samples may be, and how much older data weighs. The
-one home of the age law, shared by every buffer's `sample_by_age`.
+one home of the age law: `AgedLaw` reweighs any law whose candidates can be listed, so every
+buffer's `sample(..., age=...)` and every layer over it (a global buffer's draw) share it.
 
 A stored item (a step, for the trajectory buffers) carries the version of the policy that
-produced it; its *age* is the learner's current version minus that. `sample_by_age` enumerates
+produced it; its *age* is the learner's current version minus that. An aged draw enumerates
 the candidates (the stored items, the admissible window starts, the sum-tree leaves), weighs
 each by its buffer's own law times its age weight, and draws by inverse CDF over the cumulative
-sum: O(candidates) per call, where `sample` is O(batch).
+sum: O(candidates) per call, where a plain `sample` is O(batch).
 """
 
 from collections.abc import Callable
@@ -19,9 +20,15 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int, Integer, PRNGKeyArray,
 
 from ._checks import check_index, check_index_fn, check_nonnegative_int, INT32_MAX, spec_of
 from ._faults import check_faults, Fault
-from ._priorities import Priorities
-from ._storage import CircularBuffer, stored_mask
-from ._streams import step_backs, Streams
+from ._laws import (
+    AbstractEnumerableLaw,
+    AbstractLaw,
+    Draw,
+    float_targets,
+    in_union,
+    locate,
+    probability,
+)
 
 
 Decay = Literal["inverse"]
@@ -29,11 +36,11 @@ Decay = Literal["inverse"]
 
 class PolicyAge(eqx.Module):
     """Which stored data is young enough to sample, and how much each age weighs: the argument
-    of every buffer's `sample_by_age`.
+    of every buffer's `sample(..., age=...)`.
 
     Each stored item (each step, for trajectory buffers) records the version of the policy that
     produced it, an integer leaf that `version` reads. Its *age* is `current - version`: the
-    number of learner updates since. `sample_by_age` admits the candidates of age at most
+    number of learner updates since. `sample(..., age=age)` admits the candidates of age at most
     `max_age` and draws them with probability
 
     `P(i) ∝ m_i · a_i`, `a_i = 1` (`decay=None`) or `1 / (age_i + 1)` (`decay="inverse"`, as
@@ -41,7 +48,10 @@ class PolicyAge(eqx.Module):
 
     where `m_i` is the buffer's own law: 1 for `UniformReplay`, the window-start law
     `r ** distribution_power` for `TrajectoryBuffer`, the mass `priority ** priority_exponent`
-    for the prioritised buffers. A window's age is that of its first step.
+    for the prioritised buffers. A window's age is that of its first step. A
+    `ClusteredReplay` draws a cluster as its `sample` does, among the clusters that hold a
+    young enough item, then an item of it by its inner replay's aged law; a global buffer
+    draws by the aged law of all its shards' candidates together.
 
     The target distribution is `q_i ∝ ℓ_i · a_i` over the admitted candidates, where `ℓ_i` is
     the part of the law that is chosen rather than corrected: all of it for `UniformReplay`
@@ -75,7 +85,7 @@ class PolicyAge(eqx.Module):
             {"obs": jnp.ones((6, 3)), "policy_version": jnp.arange(6, dtype=jnp.int32)}
         )
         age = dx.PolicyAge(version, current=5, max_age=2, decay="inverse")
-        s = buf.sample_by_age(jax.random.key(0), 32, age)
+        s = buf.sample(jax.random.key(0), 32, age=age)
         assert (s.ages <= 2).all() and (s.items["policy_version"] >= 3).all()
         ```
     """
@@ -152,7 +162,7 @@ def _count(value: Any, call: str) -> tuple[Int[Array, ""], list[Fault]]:
 
 
 class AgedSample(NamedTuple):
-    """What `sample_by_age` returns (every buffer's): the rows, where they came from, their
+    """What `sample(..., age=...)` returns (every buffer's): the rows, where they came from, their
     ages, and their exact probabilities and importance weights (see `PolicyAge`).
 
     **Fields:**
@@ -182,152 +192,149 @@ class AgedSample(NamedTuple):
     generations: UInt32[Array, " batch"] | None = None
 
 
-class AgeDraw(NamedTuple):
-    """What `draw_by_age` returns: the drawn candidates (flat indices) and, per row, the
-    fields of an `AgedSample` after `items` (`AgedSample(items, *draw)`)."""
+class AgedLaw(AbstractLaw):
+    """A law reweighed by policy age: the candidates of `base` of age at most `age.max_age`,
+    each with its weight under `base` times its age weight (see `PolicyAge`). Drawn by
+    inverse CDF over the cumulative weights of every candidate: O(candidates) per draw.
 
-    indices: Int[Array, " batch"]
-    ages: Int[Array, " batch"]
-    probabilities: Float[Array, " batch"]
-    weights: Float[Array, " batch"]
-
-
-def read_ages(
-    age: PolicyAge, data: PyTree[Array], stored: Bool[Array, "*s"], call: str, what: str
-) -> tuple[Int[Array, "*s"], list[Fault]]:
-    """The age of every stored item of `data` (leaves with the leading axes of `stored`:
-    `(max_size,)` slots, `(num_envs, max_length)` steps), and the fault of a stored version
-    outside `[0, current]`. `version` is checked at trace time to map one item to an integer
-    scalar; it is mapped over every slot (it reads one leaf: XLA reads only that one).
-    `what` names an item in the message."""
-    axes = stored.ndim
-    check_index_fn(spec_of(data, axes), age.version, "PolicyAge(version=...)")
-    read = age.version
-    for _ in range(axes):
-        read = jax.vmap(read)
-    # Checked in its own dtype before the cast to int32; a bad one reads as 2**31 - 1.
-    version, bad = check_index(read(data), INT32_MAX + 1, "PolicyAge(version=...)")
-    future = stored & (bad | (version > age.current))
-    message = (
-        f"`{call}`: a stored {what} has a policy version greater than `current` (or negative); "
-        "every stored version must be in [0, current]"
-    )
-    return age.current - version, [(future, message)]
-
-
-def read_step_ages(
-    age: PolicyAge, streams: Streams, call: str
-) -> tuple[Int[Array, "num_envs max_length"], Int[Array, "num_envs max_length"], list[Fault]]:
-    """`read_ages` over every stored step of `streams`: the back distance of each slot
-    (`step_backs`), the age of the step it holds, and the fault of a stored version outside
-    `[0, current]`."""
-    back = step_backs(streams)
-    ages, faults = read_ages(age, streams.data, back <= streams.lengths[:, None], call, "step")
-    return back, ages, faults
-
-
-def draw_items_by_age(
-    key: PRNGKeyArray,
-    batch_size: int,
-    age: PolicyAge,
-    storage: CircularBuffer,
-    priorities: Priorities | None = None,
-    *,
-    beta: Float[Array, ""] | None = None,
-    call: str,
-) -> tuple[AgeDraw, list[Fault]]:
-    """`read_ages` and `draw_by_age` over the slots of a replay's `storage`, whose own law is
-    1 on every stored slot, times the masses of `priorities` (one leaf per slot; drawn
-    i.i.d. or stratified as they say) if given: the draw, and the faults of both."""
-    stored = stored_mask(storage)
-    ages, faults = read_ages(age, storage.data, stored, call, "item")
-    law = jnp.where(stored, 0.0, -jnp.inf)
-    log_mass = None if priorities is None else jnp.log(priorities.tree.leaves)
-    stratified = priorities is not None and priorities.stratified
-    draw, more = draw_by_age(
-        key,
-        batch_size,
-        age,
-        ages,
-        law,
-        log_mass,
-        beta=beta,
-        stratified=stratified,
-        call=call,
-        what="item",
-    )
-    return draw, faults + more
-
-
-def draw_by_age(
-    key: PRNGKeyArray,
-    batch_size: int,
-    age: PolicyAge,
-    ages: Int[Array, "*n"],
-    log_law: Float[Array, "*n"],
-    log_mass: Float[Array, "*n"] | None = None,
-    *,
-    beta: Float[Array, ""] | None = None,
-    stratified: bool = False,
-    call: str,
-    what: str,
-) -> tuple[AgeDraw, list[Fault]]:
-    """Draw `batch_size` candidates with `P(i) ∝ exp(log_law_i + log_mass_i) · a(age_i)` over
-    those of age in `[0, max_age]`, by inverse CDF over the cumulative sum of the weights
-    (i.i.d., or one draw from each of `batch_size` equal slices when `stratified`).
-
-    **Arguments:**
-
-    - `ages`, `log_law`, `log_mass`: one entry per candidate (any shape, the same for all;
-        flat indices in the result). `log_law` is the chosen part of the law (`-inf` where a
-        candidate is not stored or not admissible), `log_mass` the part the importance
-        weights correct (`None`: none; weights 1). Computed in the dtype of `log_mass`
-        (float32 without it).
-    - `beta`: the importance-weight exponent (with `log_mass`).
-    - `call`, `what`: the call and the name of a candidate, for messages.
-
-    Every finite weight is used as it is: the weights are scaled by the largest before
-    they are summed, so none overflows (a candidate below about `1e-38` of the heaviest
-    underflows to weight 0, and is never drawn). The caller reports, before this draw's
-    faults, its own: nothing stored or admissible, a mass that is not finite.
-
-    **Returns:** an `AgeDraw`, and the fault of no candidate young enough. Where a fault
-    holds the draw is meaningless but in bounds.
+    Over a union, each buffer's weights are scaled by its own largest weight (so that none
+    overflows) and summarised by that scale and their sum; the draw puts them on one scale,
+    picks the buffer whose slice of the total holds each target, and that buffer finds the
+    candidate in its own cumulative weights.
     """
-    dtype = jnp.float32 if log_mass is None else log_mass.dtype
-    log_p = log_law.reshape(-1).astype(dtype)
-    if log_mass is not None:
-        log_p = log_p + log_mass.reshape(-1)
-    ages = ages.reshape(-1)
-    log_p = log_p + age.log_weights(ages, dtype)
-    # Scaled so that the largest weight is 1.
-    top = jnp.max(log_p)
-    weight = jnp.exp(log_p - jnp.where(jnp.isfinite(top), top, 0))
-    cdf = jnp.cumsum(weight)
-    total = cdf[-1]
-    u = jax.random.uniform(key, (batch_size,), dtype)
-    if stratified:
-        x = (jnp.arange(batch_size, dtype=dtype) + u) * (total / batch_size)
-    else:
-        x = u * total
-    # The first candidate whose cumulative weight exceeds x: never one of weight 0, whose
-    # cumulative weight equals its predecessor's. Rounding that puts x at the total is
-    # clipped to the last candidate of positive weight.
-    index = jnp.searchsorted(cdf, x, side="right", method="scan_unrolled")
-    last = weight.shape[0] - 1 - jnp.argmax(weight[::-1] > 0)
-    index = jnp.minimum(index, last).astype(jnp.int32)
-    positive = total > 0
-    probabilities = jnp.where(positive, weight[index] / jnp.where(positive, total, 1), 0)
-    if log_mass is None or beta is None:
-        weights = jnp.ones(batch_size, dtype)
-    else:
-        # (q / P) ** β ∝ mass ** -β: the age weight and the chosen law cancel out.
-        log_w = -beta.astype(dtype) * log_mass.reshape(-1)[index]
-        weights = jnp.exp(log_w - jnp.max(log_w))
-    draw = AgeDraw(index, ages[index], probabilities, weights)
-    fault = (
-        ~positive,
-        f"`{call}`: every {what} that could be drawn is older than `max_age` (its age, "
-        f"`current` minus its policy version, is above `max_age`); no {what} can be drawn",
-    )
-    return draw, [fault]
+
+    base: AbstractEnumerableLaw
+    age: PolicyAge
+    beta: Float[Array, ""] | None
+    count: int = eqx.field(static=True)  # the base's candidates per buffer
+    stratified: bool = eqx.field(static=True)
+    noun: str = eqx.field(static=True)  # what a candidate is, for messages
+    call: str = eqx.field(static=True)
+
+    def _weigh(
+        self, buffer: Any
+    ) -> tuple[Float[Array, " c"], Int[Array, " c"], Bool[Array, ""], Float[Array, " c"] | None]:
+        """Per candidate of `buffer`: the log of its weight, its age, and (for the buffer)
+        whether a stored version is out of range, and the log masses."""
+        c = self.base.candidates(buffer)
+        dtype = jnp.float32 if c.log_mass is None else c.log_mass.dtype
+        spec = spec_of(c.items, 1)
+        check_index_fn(spec, self.age.version, "PolicyAge(version=...)")
+        # `version` reads one leaf: XLA reads only that one of every stored item.
+        versions = jax.vmap(self.age.version)(c.items)
+        # Checked in its own dtype before the cast to int32; a bad one reads as 2**31 - 1.
+        version, bad = check_index(versions, INT32_MAX + 1, "PolicyAge(version=...)")
+        future = jnp.any(c.stored & (bad | (version > self.age.current)))
+        if c.dates is not None:
+            version = version[c.dates]
+        ages = self.age.current - version
+        log_p = c.log_law.astype(dtype)
+        if c.log_mass is not None:
+            log_p = log_p + c.log_mass
+        log_p = log_p + self.age.log_weights(ages, dtype)
+        return log_p, ages, future, c.log_mass
+
+    def summary(self, buffer: Any) -> PyTree[Array]:
+        log_p, _, future, _ = self._weigh(buffer)
+        top = jnp.max(log_p)
+        total = jnp.sum(jnp.exp(log_p - _finite(top)))
+        return self.base.summary(buffer), top, total, future
+
+    def _scales(self, summaries: PyTree[Array]) -> tuple[Array, Array]:
+        """Each buffer's factor from its own scale to the union's, and its mass on the
+        union's scale (0 for a buffer with nothing to draw)."""
+        _, tops, totals, _ = summaries
+        union = _finite(jnp.max(tops))
+        scale = jnp.where(jnp.isfinite(tops), jnp.exp(tops - union), 0)
+        return scale, totals * scale
+
+    def draw(self, key: PRNGKeyArray, batch_size: int, summaries: PyTree[Array]) -> Draw:
+        scale, masses = self._scales(summaries)
+        targets = float_targets(key, batch_size, jnp.sum(masses), self.stratified)
+        owner, residual = locate(targets, masses)
+        # Back on the owner's own scale, where it finds the candidate.
+        at = jnp.where(scale[owner] > 0, residual / jnp.where(scale[owner] > 0, scale[owner], 1), 0)
+        return Draw(owner, at)
+
+    def read(self, buffer: Any, at: PyTree[Array]) -> PyTree[Array]:
+        log_p, ages, _, log_mass = self._weigh(buffer)
+        weight = jnp.exp(log_p - _finite(jnp.max(log_p)))
+        cdf = jnp.cumsum(weight)
+        # The first candidate whose cumulative weight exceeds the target: never one of weight
+        # 0, whose cumulative weight equals its predecessor's. A target rounded up to the
+        # total goes to the last candidate of positive weight.
+        index = jnp.searchsorted(cdf, at, side="right", method="scan_unrolled")
+        last = weight.shape[0] - 1 - jnp.argmax(weight[::-1] > 0)
+        index = jnp.minimum(index, last).astype(jnp.int32)
+        mass = jnp.zeros_like(weight) if log_mass is None else log_mass
+        rows = self.base.read_candidates(buffer, index)
+        return (
+            rows,
+            index,
+            ages[index],
+            weight[index],
+            mass[index],
+            self.base.generations(buffer, index),
+        )
+
+    def finish(self, rows: PyTree[Array], draw: Draw, summaries: PyTree[Array]) -> AgedSample:
+        rows, index, ages, weight, log_mass, generations = rows
+        scale, masses = self._scales(summaries)
+        probabilities = probability(weight * scale[draw.owner], jnp.sum(masses))
+        if self.beta is None:
+            weights = jnp.ones_like(probabilities)
+        else:
+            # (q / P) ** β ∝ mass ** -β: the age weight and the chosen law cancel out.
+            log_w = -self.beta.astype(log_mass.dtype) * log_mass
+            weights = jnp.exp(log_w - jnp.max(log_w)).astype(probabilities.dtype)
+        rows = self.base.name_candidates(rows, draw.owner, summaries[0])
+        indices = in_union(draw.owner, index, self.count)
+        return AgedSample(rows, indices, ages, probabilities, weights, generations)
+
+    def available(self, summaries: PyTree[Array]) -> Bool[Array, ""]:
+        return jnp.sum(self._scales(summaries)[1]) > 0
+
+    def faults(self, summaries: PyTree[Array], call: str) -> list[Fault]:
+        base, _, _, future = summaries
+        noun = self.noun
+        return [
+            *self.base.faults(base, call),
+            (
+                jnp.any(future),
+                f"`{call}`: a stored {_item_of(noun)} has a policy version greater than "
+                "`current` (or negative); every stored version must be in [0, current]",
+            ),
+            (
+                self.base.available(base) & ~self.available(summaries),
+                f"`{call}`: every {noun} that could be drawn is older than `max_age` (its "
+                f"age, `current` minus its policy version, is above `max_age`); no {noun} "
+                "can be drawn",
+            ),
+        ]
+
+
+def aged(
+    base: AbstractEnumerableLaw,
+    buffer: Any,
+    age: Any,
+    beta: Float[Array, ""] | None,
+    *,
+    stratified: bool,
+    noun: str,
+    call: str,
+) -> AgedLaw:
+    """`base` reweighed by `age` (a `PolicyAge`, checked here) over `buffer`'s candidates."""
+    if not isinstance(age, PolicyAge):
+        raise TypeError(f"`{call}(age=...)` must be a `dx.PolicyAge`, got {type(age).__name__}.")
+    count = base.num_candidates(buffer)
+    return AgedLaw(base, age, beta, count, stratified, noun, call)
+
+
+def _finite(top: Float[Array, "*s"]) -> Float[Array, "*s"]:
+    """A scale for weights whose largest log is `top`: 0 when none is finite."""
+    return jnp.where(jnp.isfinite(top), top, 0)
+
+
+def _item_of(noun: str) -> str:
+    """What is dated, for a candidate `noun`: a window start is dated by its step."""
+    return "step" if "window" in noun else "item"
