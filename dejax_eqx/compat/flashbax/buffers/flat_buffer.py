@@ -13,11 +13,25 @@ from .._states import (
     TransitionSample as TransitionSample,
 )
 from ..utils import add_dim_to_args as add_dim_to_args
-from .trajectory_buffer import check_sizes, make_trajectory_buffer, reshaped, TrajectoryBuffer
+from .trajectory_buffer import (
+    check_required_sizes,
+    check_sizes,
+    make_trajectory_buffer,
+    reshaped,
+    TrajectoryBuffer,
+)
+
+
+# flashbax's checks of the sizes, with flashbax's messages; unlike flashbax's, each first
+# checks that the sizes are positive Python ints (`min_length` may be 0), under its own name,
+# where flashbax divided by a zero `add_batch_size` or let a negative size through.
 
 
 def validate_sample_batch_size(sample_batch_size: int, max_length: int) -> None:
     """flashbax's check that a sample fits in the buffer."""
+    check_required_sizes(
+        "validate_sample_batch_size", sample_batch_size=sample_batch_size, max_length=max_length
+    )
     if sample_batch_size > max_length:
         raise ValueError("sample_batch_size must be less than or equal to max_length")
 
@@ -25,12 +39,21 @@ def validate_sample_batch_size(sample_batch_size: int, max_length: int) -> None:
 def validate_min_length(min_length: int, add_batch_size: int, max_length: int) -> None:
     """flashbax's check that `min_length` steps (`min_length // add_batch_size + 1` per row)
     fit in the buffer."""
+    check_required_sizes(
+        "flat_buffer.validate_min_length",
+        min_length=min_length,
+        add_batch_size=add_batch_size,
+        max_length=max_length,
+    )
     if min_length // add_batch_size + 1 > max_length:
         raise ValueError("min_length used is too large for the buffer size.")
 
 
 def validate_max_length_add_batch_size(max_length: int, add_batch_size: int) -> None:
     """flashbax's check that each row holds at least a pair of steps."""
+    check_required_sizes(
+        "validate_max_length_add_batch_size", max_length=max_length, add_batch_size=add_batch_size
+    )
     if max_length // add_batch_size < 2:
         raise ValueError(
             "max_length//add_batch_size must be greater than 2. It is currently "
@@ -42,6 +65,13 @@ def validate_flat_buffer_args(
     max_length: int, min_length: int, sample_batch_size: int, add_batch_size: int
 ) -> None:
     """flashbax's checks of `make_flat_buffer`'s arguments, with flashbax's messages."""
+    check_required_sizes(
+        "validate_flat_buffer_args",
+        max_length=max_length,
+        min_length=min_length,
+        sample_batch_size=sample_batch_size,
+        add_batch_size=add_batch_size,
+    )
     validate_sample_batch_size(sample_batch_size, max_length)
     validate_min_length(min_length, add_batch_size, max_length)
     validate_max_length_add_batch_size(max_length, add_batch_size)

@@ -13,17 +13,36 @@ from .._states import (
 )
 from ..utils import add_dim_to_args as add_dim_to_args
 from .flat_buffer import validate_sample_batch_size as validate_sample_batch_size
-from .trajectory_buffer import check_sizes, make_trajectory_buffer, reshaped, TrajectoryBuffer
+from .trajectory_buffer import (
+    check_required_sizes,
+    check_sizes,
+    make_trajectory_buffer,
+    reshaped,
+    TrajectoryBuffer,
+)
+
+
+# flashbax's checks, with flashbax's messages, after a check that the sizes are positive Python
+# ints (`min_length` may be 0), which flashbax did not make (see flat_buffer.py).
 
 
 def validate_min_length(min_length: int, max_length: int) -> None:
     """flashbax's check that `min_length` items fit in the buffer."""
+    check_required_sizes(
+        "item_buffer.validate_min_length", min_length=min_length, max_length=max_length
+    )
     if min_length > max_length:
         raise ValueError("min_length used cannot be larger than max_length.")
 
 
 def validate_item_buffer_args(max_length: int, min_length: int, sample_batch_size: int) -> None:
     """flashbax's checks of `make_item_buffer`'s arguments, with flashbax's messages."""
+    check_required_sizes(
+        "validate_item_buffer_args",
+        max_length=max_length,
+        min_length=min_length,
+        sample_batch_size=sample_batch_size,
+    )
     validate_sample_batch_size(sample_batch_size, max_length)
     validate_min_length(min_length, max_length)
 

@@ -108,6 +108,21 @@ def sample_mixer_fn(
             f"`mixer.sample`: {len(states)} states for {len(sample_fns)} buffers (with "
             f"{len(prop_batch_sizes)} shares); pass one state per buffer, in the buffers' order."
         )
+    # flashbax sliced each sample with its share: a negative one dropped rows from the end, a
+    # float failed in the slice, and all zeros left nothing to concatenate.
+    for i, rows in enumerate(prop_batch_sizes):
+        if isinstance(rows, bool) or not isinstance(rows, Integral):
+            raise TypeError(
+                f"`mixer.sample`: prop_batch_sizes[{i}] must be a Python int (the rows buffer "
+                f"{i} supplies), got {rows!r} of type {type(rows).__name__}."
+            )
+        if rows < 0:
+            raise ValueError(
+                f"`mixer.sample`: prop_batch_sizes[{i}] must be non-negative (the rows buffer "
+                f"{i} supplies), got {rows}."
+            )
+    if sum(prop_batch_sizes) == 0:
+        raise ValueError("`mixer.sample`: prop_batch_sizes are all 0; no buffer supplies a row.")
     keys = jax.random.split(key, len(states))
     samples = [
         (i, _first_rows(sample_fn(state, keys[i]), rows, i))

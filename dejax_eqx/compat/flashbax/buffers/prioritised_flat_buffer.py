@@ -19,6 +19,7 @@ from .._states import (
 from ..utils import add_dim_to_args as add_dim_to_args
 from .flat_buffer import validate_flat_buffer_args as validate_flat_buffer_args
 from .prioritised_trajectory_buffer import (
+    check_priority_exponent,
     Indices as Indices,
     make_prioritised_trajectory_buffer as make_prioritised_trajectory_buffer,
     PrioritisedTrajectoryBuffer as PrioritisedTrajectoryBuffer,
@@ -71,6 +72,7 @@ def make_prioritised_flat_buffer(
         sample_batch_size=sample_batch_size,
         add_batch_size=add_batch_size,
     )
+    check_priority_exponent(priority_exponent, "make_prioritised_flat_buffer")
     rows = 1 if add_batch_size is None else add_batch_size
     validate_flat_buffer_args(max_length, min_length, sample_batch_size, rows)
     buffer = make_prioritised_trajectory_buffer(

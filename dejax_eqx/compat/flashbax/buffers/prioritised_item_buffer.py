@@ -9,6 +9,7 @@ from .._states import Experience as Experience, first_steps
 from ..utils import add_dim_to_args as add_dim_to_args
 from .item_buffer import validate_item_buffer_args as validate_item_buffer_args
 from .prioritised_trajectory_buffer import (
+    check_priority_exponent,
     make_prioritised_trajectory_buffer as make_prioritised_trajectory_buffer,
     PrioritisedTrajectoryBuffer as PrioritisedTrajectoryBuffer,
     PrioritisedTrajectoryBufferSample as PrioritisedTrajectoryBufferSample,
@@ -35,6 +36,7 @@ def create_prioritised_item_buffer(
         min_length=min_length,
         sample_batch_size=sample_batch_size,
     )
+    check_priority_exponent(priority_exponent, "make_prioritised_item_buffer")
     validate_item_buffer_args(max_length, min_length, sample_batch_size)
     buffer = make_prioritised_trajectory_buffer(
         add_batch_size=1,

@@ -51,7 +51,10 @@ from .trajectory_buffer import (
     BufferSample,
     BufferState,
     can_sample,
+    check_fits,
+    check_required_sizes,
     check_sizes,
+    length_from_max_size,
     make_trajectory_buffer,
     TrajectoryBuffer,
     validate_trajectory_buffer_args as validate_trajectory_buffer_args,
@@ -205,12 +208,14 @@ def prioritised_init(
     The window length is not known yet: the first `prioritised_add` (or `prioritised_sample`)
     sets it from its `sample_sequence_length`.
     """
-    check_sizes(
-        "prioritised_trajectory_buffer.prioritised_init",
+    call = "prioritised_trajectory_buffer.prioritised_init"
+    check_required_sizes(
+        call,
         add_batch_size=add_batch_size,
         max_length_time_axis=max_length_time_axis,
         period=period,
     )
+    check_fits(call, "period", period, max_length_time_axis)
     # A placeholder window: `period` steps always fit the module's checks (at most
     # max_length, and longer than max_length mod period).
     module = _build(
@@ -250,7 +255,8 @@ def prioritised_add(
     rows, and update the priorities of the windows that enter or leave. `device` is accepted
     for flashbax's signature and not used."""
     call = "prioritised_trajectory_buffer.prioritised_add"
-    check_sizes(call, sample_sequence_length=sample_sequence_length, period=period)
+    check_required_sizes(call, sample_sequence_length=sample_sequence_length, period=period)
+    check_fits(call, "sample_sequence_length", sample_sequence_length, state.module.max_length)
     batch = check_add(state.module, batch, call)
     module = _configured(state.module, call, window=sample_sequence_length, period=period)
     return PrioritisedTrajectoryBufferState(module.extend(batch))
@@ -269,7 +275,10 @@ def prioritised_sample(
     **Raises:** an `eqx.error_if` error if no window is stored yet (flashbax returns zeros).
     """
     call = "prioritised_trajectory_buffer.prioritised_sample"
-    check_sizes(call, batch_size=batch_size, sequence_length=sequence_length, period=period)
+    check_required_sizes(
+        call, batch_size=batch_size, sequence_length=sequence_length, period=period
+    )
+    check_fits(call, "sequence_length", sequence_length, state.module.max_length)
     module = _configured(state.module, call, window=sequence_length, period=period)
     out = module.sample(rng_key, batch_size)
     return PrioritisedTrajectoryBufferSample(
@@ -335,9 +344,20 @@ class PrioritisedTrajectoryBuffer(TrajectoryBuffer[Experience, BufferState, Buff
 
 
 def validate_priority_exponent(priority_exponent: float) -> None:
-    """flashbax's check: `0 <= priority_exponent <= 1`."""
-    if not 0 <= priority_exponent <= 1:
-        raise ValueError(f"priority_exponent must be in [0, 1], got {priority_exponent}.")
+    """flashbax's check: `0 <= priority_exponent <= 1`, a real Python number (flashbax let a
+    bool through and raised Python's own `TypeError` for a string)."""
+    check_priority_exponent(priority_exponent, "validate_priority_exponent")
+
+
+def check_priority_exponent(priority_exponent: float, call: str) -> float:
+    """`priority_exponent` as a float in `[0, 1]`, else a `TypeError` quoting
+    `call(priority_exponent=...)` for a non-real (or bool) or a `ValueError` for one out of
+    range (NaN included)."""
+    where = f"{call}(priority_exponent=...)"
+    value = check_finite_float(priority_exponent, where)
+    if not 0 <= value <= 1:
+        raise ValueError(f"`{where}` must be in [0, 1], got {priority_exponent}.")
+    return value
 
 
 def validate_device(device: str) -> bool:
@@ -365,20 +385,38 @@ def validate_device(device: str) -> bool:
     return True
 
 
+# The sizes of the sum tree. Unlike flashbax's, each function checks that its arguments are
+# positive Python ints (at most 2**31 - 1, as every size of a buffer), where flashbax raised a
+# bare `ZeroDivisionError` for a zero period and returned negative or zero sizes for negative or
+# zero ones. A period longer than the time axis is flashbax's answer, 0 (no whole period fits).
+
+
 def get_max_divisible_length(max_length_time_axis: int, period: int) -> int:
     """flashbax's `max_length_time_axis` cut down to a multiple of `period`: the time axis
     `make_prioritised_trajectory_buffer` uses."""
+    check_required_sizes(
+        "get_max_divisible_length", max_length_time_axis=max_length_time_axis, period=period
+    )
     return int(max_length_time_axis - max_length_time_axis % period)
 
 
 def get_num_items_in_row(max_length_time_axis: int, period: int) -> int:
     """The windows (sum-tree leaves) of one row: `max_length_time_axis // period`."""
+    check_required_sizes(
+        "get_num_items_in_row", max_length_time_axis=max_length_time_axis, period=period
+    )
     return int(max_length_time_axis // period)
 
 
 def get_sum_tree_capacity(max_length_time_axis: int, period: int, add_batch_size: int) -> int:
     """The sum tree's leaves: `get_num_items_in_row(...)` for each of `add_batch_size` rows."""
-    return int(get_num_items_in_row(max_length_time_axis, period) * add_batch_size)
+    check_required_sizes(
+        "get_sum_tree_capacity",
+        max_length_time_axis=max_length_time_axis,
+        period=period,
+        add_batch_size=add_batch_size,
+    )
+    return get_num_items_in_row(int(max_length_time_axis), int(period)) * int(add_batch_size)
 
 
 def get_invalid_indices(
@@ -397,7 +435,32 @@ def get_invalid_indices(
 
     Leaves are numbered as flashbax numbers its items, `row * (max_length_time_axis //
     period) + slot // period`: the drop-in's leaves when `period` divides
-    `max_length_time_axis` (always, through `make_prioritised_trajectory_buffer`)."""
+    `max_length_time_axis` (always, through `make_prioritised_trajectory_buffer`).
+
+    **Raises:** `ValueError`/`TypeError` if a size is not a positive Python int, if
+    `add_batch_size` or `max_length_time_axis` is not the state's, or if `period` or
+    `sample_sequence_length` is longer than `max_length_time_axis` (flashbax divided by a zero
+    period, took a modulo by zero items per row, or answered for a buffer of another shape)."""
+    call = "get_invalid_indices"
+    check_required_sizes(
+        call,
+        sample_sequence_length=sample_sequence_length,
+        period=period,
+        add_batch_size=add_batch_size,
+        max_length_time_axis=max_length_time_axis,
+    )
+    module = state.module
+    for name, value, own in [
+        ("add_batch_size", add_batch_size, module.num_envs),
+        ("max_length_time_axis", max_length_time_axis, module.max_length),
+    ]:
+        if value != own:
+            raise ValueError(
+                f"`{call}({name}=...)` must be the state's, {own}, got {value}: the indices "
+                "are those of the state's rows and slots."
+            )
+    check_fits(call, "period", period, max_length_time_axis)
+    check_fits(call, "sample_sequence_length", sample_sequence_length, max_length_time_axis)
     items_in_row = max_length_time_axis // period
     last_start = get_max_divisible_length(max_length_time_axis, period) - 1
     newest_whole = jnp.minimum(
@@ -426,8 +489,9 @@ def make_prioritised_trajectory_buffer(
     multiple of `period`, with a printed note when that loses capacity. `device` is only
     checked (see `validate_device`).
     """
+    call = "make_prioritised_trajectory_buffer"
     check_sizes(
-        "make_prioritised_trajectory_buffer",
+        call,
         add_batch_size=add_batch_size,
         sample_batch_size=sample_batch_size,
         sample_sequence_length=sample_sequence_length,
@@ -436,6 +500,8 @@ def make_prioritised_trajectory_buffer(
         max_size=max_size,
         max_length_time_axis=max_length_time_axis,
     )
+    if max_size is not None and max_length_time_axis is None:
+        length_from_max_size(call, max_size, add_batch_size)
     # The trajectory buffer's checks and warnings, and its `can_sample` (which raises
     # min_length_time_axis to sample_sequence_length), are the same as flashbax's here.
     base = make_trajectory_buffer(
@@ -447,12 +513,19 @@ def make_prioritised_trajectory_buffer(
         max_size=max_size,
         max_length_time_axis=max_length_time_axis,
     )
-    validate_priority_exponent(priority_exponent)
+    check_priority_exponent(priority_exponent, call)
     validate_device(device)
     if max_size is not None:
         max_length_time_axis = max_size // add_batch_size
     assert max_length_time_axis is not None  # checked by make_trajectory_buffer
     aligned = get_max_divisible_length(max_length_time_axis, period)
+    if aligned == 0:  # flashbax built a time axis of no steps; the module's `init` refused it
+        given = " (max_size // add_batch_size)" if max_size is not None else ""
+        raise ValueError(
+            f"`{call}(period=...)` must be at most max_length_time_axis = "
+            f"{max_length_time_axis}{given}, got {period}: no row would hold a whole period, "
+            "and the sum tree no window."
+        )
     if aligned != max_length_time_axis:
         print(
             f"max_length_time_axis = {max_length_time_axis} is not a multiple of period = "

@@ -16,23 +16,52 @@ pytree, and each of its fields also reads a stack of states (leading axes).
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, Integer, PRNGKeyArray, Real
 
 from .... import SumTree
 from ....internal import check_faults, check_index, check_positive_int, Fault, priority_mass
 
 
+# The deepest level a tree of int32 node positions has room for: 2**31 - 1 nodes in all.
+_MAX_DEPTH = 30
+
+
 def get_tree_depth(capacity: int) -> int:
     """The number of levels below the root of a binary tree with at least `capacity` leaves:
-    the least `d` with `2**d >= capacity`."""
-    return max(int(capacity) - 1, 0).bit_length()
+    the least `d` with `2**d >= capacity`.
+
+    **Raises:** `ValueError`/`TypeError` if `capacity` is not a positive Python int (flashbax
+    raised NumPy's `OverflowError` for 0 and `ValueError` for a negative one, from a float
+    logarithm that also rounds above `2**53`)."""
+    capacity = check_positive_int(capacity, "get_tree_depth(capacity=...)")
+    return (capacity - 1).bit_length()
 
 
 def get_tree_index(
     depth_level: Integer[ArrayLike, "*s"], node_index: Integer[ArrayLike, "*s"]
 ) -> Int[Array, "*s"]:
-    """The position in `SumTreeState.nodes` of node `node_index` of level `depth_level`."""
-    return jnp.power(2, jnp.asarray(depth_level)) - 1 + jnp.asarray(node_index)
+    """The position in `SumTreeState.nodes` of node `node_index` of level `depth_level`:
+    `2**depth_level - 1 + node_index`.
+
+    **Raises:** an `eqx.error_if` error for a level outside `[0, 30]` or a node outside
+    `[0, 2**depth_level)`, where flashbax returned the position of a node of another level
+    (or JAX's error for a negative level); `TypeError` for a non-integer argument."""
+    call = "sum_tree.get_tree_index"
+    depth, bad_depth = check_index(depth_level, _MAX_DEPTH + 1, f"{call}(depth_level=...)")
+    node, bad_node = check_index(node_index, 2**_MAX_DEPTH, f"{call}(node_index=...)")
+    width = jnp.left_shift(jnp.int32(1), jnp.where(bad_depth, 0, depth))
+    bad_node = bad_node | (node >= width)
+    return check_faults(
+        width - 1 + node,
+        [
+            (bad_depth, f"`{call}`: depth_level must be in [0, {_MAX_DEPTH}] (the root is 0)"),
+            (
+                bad_node,
+                f"`{call}`: node_index must be in [0, 2**depth_level): level d holds 2**d nodes",
+            ),
+        ],
+    )
 
 
 class SumTreeState(eqx.Module):
@@ -128,15 +157,58 @@ def get_probability(
     return check_faults(values / jnp.where(total > 0, total, 1), [*faults, empty])
 
 
-def _find(state: SumTreeState, fractions: Float[Array, " n"], call: str) -> Int[Array, " n"]:
-    """The leaves whose intervals of the running sum hold `fractions * total`."""
+def _find(
+    state: SumTreeState, fractions: Float[Array, " n"], call: str, faults: list[Fault]
+) -> Int[Array, " n"]:
+    """The leaves whose intervals of the running sum hold `fractions * total`, after `faults`
+    (those of the fractions) and that of a tree with nothing to draw."""
     total = state.tree.total
     empty = (
         ~(total > 0),
         f"`{call}`: every leaf is 0 (nothing stored yet, or every priority 0), so no leaf "
         "can be drawn",
     )
-    return check_faults(state.tree.find(fractions * total), [empty])
+    return check_faults(state.tree.find(fractions * total), [*faults, empty])
+
+
+def _query(query_value: object, dtype: np.dtype, call: str) -> tuple[Float[Array, ""], list[Fault]]:
+    """`query_value`, a real scalar in `[0, 1]`, as a `dtype` array, and its fault.
+
+    flashbax documents the query as a float in `[0, 1]` and draws its own in `[0, 1)`; 1 is
+    the end of the last interval, drawn here as the last leaf of positive value. A Python or
+    NumPy value is checked at once (`ValueError`), a JAX array, which may be traced, as a
+    fault. flashbax took any value, and answered an end leaf for one outside `[0, 1]` or NaN.
+    """
+    where = f"{call}(query_value=...)"
+    if isinstance(query_value, bool | np.bool_) or not isinstance(
+        query_value, jax.Array | np.ndarray | np.generic | int | float
+    ):
+        raise TypeError(
+            f"`{where}` must be a real scalar (a Python float, a NumPy or JAX scalar), got "
+            f"{query_value!r} of type {type(query_value).__name__}."
+        )
+    shape = tuple(np.shape(query_value))
+    if shape != ():
+        raise ValueError(f"`{where}` must be a scalar, got shape {shape}.")
+    if isinstance(query_value, jax.Array | np.ndarray | np.generic):
+        kind = np.dtype(query_value.dtype)
+        if not (jnp.issubdtype(kind, jnp.integer) or jnp.issubdtype(kind, jnp.floating)):
+            raise TypeError(f"`{where}` must be a real number, got dtype {kind}.")
+    if isinstance(query_value, jax.Array):
+        outside = ~((query_value >= 0) & (query_value <= 1))
+        message = f"`{call}`: query_value must be in [0, 1] (a fraction of the total), not NaN"
+        return query_value.astype(dtype), [(outside, message)]
+    # In the value's own type, before any cast: a float64 just past 1 is not rounded into range.
+    if isinstance(query_value, int | float):
+        inside = 0 <= query_value <= 1
+    else:
+        value = np.asarray(query_value)
+        inside = bool(np.greater_equal(value, 0) & np.less_equal(value, 1))
+    if not inside:
+        raise ValueError(
+            f"`{where}` must be in [0, 1] (a fraction of the total), got {query_value}."
+        )
+    return jnp.asarray(query_value, dtype), []
 
 
 def sample(
@@ -153,14 +225,19 @@ def sample(
     does (`dx.SumTree.find`).
 
     **Raises:** `ValueError` if neither `rng_key` nor `query_value` is given; an
-    `eqx.error_if` error if every leaf is 0 (flashbax returned a padding leaf)."""
+    `eqx.error_if` error if every leaf is 0 (flashbax returned a padding leaf). A
+    `query_value` outside `[0, 1]` or NaN (flashbax returned an end leaf) raises `ValueError`
+    if it is a Python or NumPy value, an `eqx.error_if` error if it is a JAX array; one that
+    is not a real scalar raises `TypeError`/`ValueError`."""
     call = "sum_tree.sample"
     dtype = state.tree.total.dtype
     if query_value is None:
         if rng_key is None:
             raise ValueError(f"`{call}`: give `rng_key` or `query_value`.")
-        query_value = jax.random.uniform(rng_key, (), dtype)
-    return _find(state, jnp.reshape(jnp.asarray(query_value, dtype), (1,)), call)[0]
+        query, faults = jax.random.uniform(rng_key, (), dtype), []
+    else:
+        query, faults = _query(query_value, dtype, call)
+    return _find(state, jnp.reshape(query, (1,)), call, faults)[0]
 
 
 def stratified_sample(
@@ -176,4 +253,4 @@ def stratified_sample(
     dtype = state.tree.total.dtype
     uniform = jax.random.uniform(rng_key, (batch_size,), dtype)
     fractions = (jnp.arange(batch_size, dtype=dtype) + uniform) / batch_size
-    return _find(state, fractions, call)
+    return _find(state, fractions, call, [])

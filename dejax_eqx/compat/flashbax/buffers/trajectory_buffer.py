@@ -35,19 +35,52 @@ BufferState = TypeVar("BufferState", bound=TrajectoryBufferState)
 BufferSample = TypeVar("BufferSample", bound=TrajectoryBufferSample)
 
 
-def check_sizes(call: str, /, **sizes: int | None) -> None:
+def check_sizes(call: str, /, **sizes: Any) -> None:
     """Each of `sizes` (flashbax's integer arguments, by name) a positive Python int, else a
     `ValueError`/`TypeError` quoting `call(name=...)`; `min_length...` may be 0, `None`
     stands for an argument not given. flashbax checked none of them, and went on to a
     `ZeroDivisionError`, an `MLIRError`, a shape error or an empty batch."""
     for name, value in sizes.items():
-        if value is None:
-            continue
-        where = f"{call}({name}=...)"
-        if name.startswith("min_length"):
-            check_nonnegative_int(value, where)
-        else:
-            check_positive_int(value, where)
+        if value is not None:
+            _check_size(call, name, value)
+
+
+def check_required_sizes(call: str, /, **sizes: Any) -> None:
+    """`check_sizes` for arguments that must be given: `None` is refused like any non-int."""
+    for name, value in sizes.items():
+        _check_size(call, name, value)
+
+
+def _check_size(call: str, name: str, value: Any) -> None:
+    where = f"{call}({name}=...)"
+    if name.startswith("min_length"):
+        check_nonnegative_int(value, where)
+    else:
+        check_positive_int(value, where)
+
+
+def check_fits(call: str, name: str, steps: int, max_length_time_axis: int) -> None:
+    """A period or window of `steps` steps fits in a row, else a `ValueError` quoting
+    `call(name=...)` (the module's own message spoke of a burn-in and a bootstrap)."""
+    if steps > max_length_time_axis:
+        raise ValueError(
+            f"`{call}({name}=...)` must be at most max_length_time_axis = "
+            f"{max_length_time_axis}, got {steps}: a row never holds more steps."
+        )
+
+
+def length_from_max_size(call: str, max_size: int, add_batch_size: int) -> int:
+    """`max_size // add_batch_size`, the steps per row that `max_size` sets (both checked
+    positive), else a `ValueError` quoting `call` when that is 0: flashbax went on to build
+    rows of no steps, refused later under another argument's name."""
+    length = max_size // add_batch_size
+    if length == 0:
+        raise ValueError(
+            f"`{call}`: max_size = {max_size} is less than add_batch_size = {add_batch_size}, "
+            "so the rows would hold max_size // add_batch_size = 0 steps each; give a max_size "
+            "of at least add_batch_size."
+        )
+    return length
 
 
 def init(
@@ -55,7 +88,9 @@ def init(
 ) -> TrajectoryBufferState:
     """An empty state: `add_batch_size` rows (envs) of `max_length_time_axis` steps."""
     call = "trajectory_buffer.init"
-    check_sizes(call, add_batch_size=add_batch_size, max_length_time_axis=max_length_time_axis)
+    check_required_sizes(
+        call, add_batch_size=add_batch_size, max_length_time_axis=max_length_time_axis
+    )
     return TrajectoryBufferState(_Module(experience, add_batch_size, max_length_time_axis))
 
 
@@ -80,8 +115,11 @@ def sample(
     flashbax returned windows of zeros (`can_sample` tells when sampling is possible).
     """
     call = "trajectory_buffer.sample"
-    check_sizes(call, batch_size=batch_size, sequence_length=sequence_length, period=period)
+    check_required_sizes(
+        call, batch_size=batch_size, sequence_length=sequence_length, period=period
+    )
     module = state.module
+    check_fits(call, "sequence_length", sequence_length, module.max_length)
     window = Window(sequence_length, period=period, strict=True)
     window.check(module.item_spec, module.max_length, call)
     lengths = module.lengths()
@@ -98,7 +136,13 @@ def sample(
 
 
 def can_sample(state: TrajectoryBufferState, min_length_time_axis: int) -> Array:
-    """Whether `min_length_time_axis` steps have been added (or the buffer is full)."""
+    """Whether `min_length_time_axis` steps have been added (or the buffer is full).
+
+    **Raises:** `ValueError`/`TypeError` if `min_length_time_axis` is not a non-negative
+    Python int (flashbax answered `True` for a negative one and compared against a float)."""
+    check_nonnegative_int(
+        min_length_time_axis, "trajectory_buffer.can_sample(min_length_time_axis=...)"
+    )
     return state.is_full | (state.current_index >= min_length_time_axis)
 
 
@@ -131,10 +175,18 @@ def validate_size(
 ) -> None:
     """flashbax's check of how a buffer is sized: `max_size` and `max_length_time_axis` are not
     both given; warns that `max_size` sets `max_length_time_axis` to `max_size //
-    add_batch_size`."""
+    add_batch_size`.
+
+    Unlike flashbax's, each size must be a positive Python int (or `None` where flashbax lets
+    it be), and `max_size` at least `add_batch_size` (flashbax divided by a zero
+    `add_batch_size`, and let a `max_size` below it set rows of no steps)."""
+    call = "validate_size"
+    check_sizes(call, max_length_time_axis=max_length_time_axis, max_size=max_size)
+    check_required_sizes(call, add_batch_size=add_batch_size)
     if max_size is not None and max_length_time_axis is not None:
         raise ValueError("Cannot specify both `max_size` and `max_length_time_axis` arguments.")
     if max_size is not None:
+        length_from_max_size(call, max_size, add_batch_size)
         warnings.warn(
             f"`max_size` = {max_size} sets max_length_time_axis = max_size // add_batch_size = "
             f"{max_size // add_batch_size}, in place of the `max_length_time_axis` argument.",
@@ -153,7 +205,22 @@ def validate_trajectory_buffer_args(
     """flashbax's checks of `make_trajectory_buffer`'s arguments, as flashbax makes them:
     `validate_size`; warns if `sample_sequence_length > min_length_time_axis` (the minimum is
     then raised to it) or `period > sample_sequence_length` (some steps are never sampled);
-    refuses a window or a minimum longer than the time axis, when the axis is known."""
+    refuses a window or a minimum longer than the time axis, when the axis is known.
+
+    Unlike flashbax's, each size must be a positive Python int (`min_length_time_axis` may be
+    0; `max_length_time_axis` and `max_size` may be `None`), and `max_size` at least
+    `add_batch_size`."""
+    call = "validate_trajectory_buffer_args"
+    check_sizes(call, max_length_time_axis=max_length_time_axis, max_size=max_size)
+    check_required_sizes(
+        call,
+        min_length_time_axis=min_length_time_axis,
+        add_batch_size=add_batch_size,
+        sample_sequence_length=sample_sequence_length,
+        period=period,
+    )
+    if max_size is not None and max_length_time_axis is None:
+        length_from_max_size(call, max_size, add_batch_size)
     validate_size(max_length_time_axis, max_size, add_batch_size)
     if max_size is not None:
         max_length_time_axis = max_size // add_batch_size
@@ -205,6 +272,8 @@ def make_trajectory_buffer(
     )
     if max_size is None and max_length_time_axis is None:
         raise ValueError("Specify `max_size` or `max_length_time_axis`.")
+    if max_size is not None and max_length_time_axis is None:
+        length_from_max_size("make_trajectory_buffer", max_size, add_batch_size)
     # The minimum is raised to the window silently (flashbax warns, then does the same).
     min_length_time_axis = max(min_length_time_axis, sample_sequence_length)
     validate_trajectory_buffer_args(

@@ -23,7 +23,7 @@ from jaxtyping import Array, Bool, Int, PyTree
 from .... import TrajectoryQueue as _Module
 from ....internal import extend_queue, pop_queue
 from .._states import check_add
-from .trajectory_buffer import check_sizes
+from .trajectory_buffer import check_required_sizes, check_sizes, length_from_max_size
 
 
 # flashbax's queue has a type variable of its own (the buffers' is `trajectory_buffer`'s).
@@ -76,6 +76,7 @@ def _unread(state: TrajectoryQueueState) -> Int[Array, "*d"]:
 
 
 def _check_length(state: TrajectoryQueueState, max_length_time_axis: int, call: str) -> None:
+    check_required_sizes(f"trajectory_queue.{call}", max_length_time_axis=max_length_time_axis)
     if max_length_time_axis != state.module.max_length:
         raise ValueError(
             f"`trajectory_queue.{call}`: max_length_time_axis = {max_length_time_axis}, but the "
@@ -90,7 +91,9 @@ def init(
     """An empty queue of `add_batch_size` rows of at most `max_length_time_axis` unread steps;
     `experience` is one step, whose structure, shapes and dtypes the queue takes."""
     call = "trajectory_queue.init"
-    check_sizes(call, add_batch_size=add_batch_size, max_length_time_axis=max_length_time_axis)
+    check_required_sizes(
+        call, add_batch_size=add_batch_size, max_length_time_axis=max_length_time_axis
+    )
     return TrajectoryQueueState(_Module(experience, add_batch_size, max_length_time_axis))
 
 
@@ -128,7 +131,12 @@ def sample(
 def can_add(
     state: TrajectoryQueueState, add_sequence_length: int, max_length_time_axis: int
 ) -> Bool[Array, "*d"]:
-    """Whether `add_sequence_length` more steps fit without overwriting unread ones."""
+    """Whether `add_sequence_length` more steps fit without overwriting unread ones.
+
+    **Raises:** `ValueError`/`TypeError` if `add_sequence_length` is not a positive Python int
+    (flashbax answered `True` for 0 or a negative one), or if `max_length_time_axis` is not the
+    state's."""
+    check_required_sizes("trajectory_queue.can_add", add_sequence_length=add_sequence_length)
     _check_length(state, max_length_time_axis, "can_add")
     return _unread(state) <= max_length_time_axis - add_sequence_length
 
@@ -136,7 +144,14 @@ def can_add(
 def can_sample(
     state: TrajectoryQueueState, sample_sequence_length: int, max_length_time_axis: int
 ) -> Bool[Array, "*d"]:
-    """Whether at least `sample_sequence_length` steps are unread."""
+    """Whether at least `sample_sequence_length` steps are unread.
+
+    **Raises:** `ValueError`/`TypeError` if `sample_sequence_length` is not a positive Python
+    int (flashbax answered `True` for 0 or a negative one), or if `max_length_time_axis` is not
+    the state's."""
+    check_required_sizes(
+        "trajectory_queue.can_sample", sample_sequence_length=sample_sequence_length
+    )
     _check_length(state, max_length_time_axis, "can_sample")
     return _unread(state) >= sample_sequence_length
 
@@ -164,9 +179,20 @@ def validate_trajectory_queue_args(
     max_size: int | None,
 ) -> None:
     """flashbax's checks of `make_trajectory_queue`'s arguments: warns that `max_size`, when
-    given, sets `max_length_time_axis`, and refuses samples longer than the queue."""
+    given, sets `max_length_time_axis`, and refuses samples longer than the queue.
+
+    Unlike flashbax's, each size must be a positive Python int (`max_size` may be `None`), and
+    `max_size` at least `add_batch_size` (flashbax divided by a zero `add_batch_size`)."""
+    call = "validate_trajectory_queue_args"
+    check_required_sizes(
+        call,
+        max_length_time_axis=max_length_time_axis,
+        add_batch_size=add_batch_size,
+        sample_sequence_length=sample_sequence_length,
+    )
+    check_sizes(call, max_size=max_size)
     if max_size is not None:
-        max_length_time_axis = max_size // add_batch_size
+        max_length_time_axis = length_from_max_size(call, max_size, add_batch_size)
         warnings.warn(
             f"`max_size` = {max_size} sets max_length_time_axis = max_size // add_batch_size = "
             f"{max_length_time_axis}, in place of the `max_length_time_axis` argument.",
@@ -205,6 +231,8 @@ def make_trajectory_queue(
         sample_sequence_length=sample_sequence_length,
         max_size=max_size,
     )
+    if max_size is not None:
+        length_from_max_size("make_trajectory_queue", max_size, add_batch_size)
     validate_trajectory_queue_args(
         max_length_time_axis, add_batch_size, sample_sequence_length, max_size
     )
