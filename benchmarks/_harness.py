@@ -101,9 +101,15 @@ def sample_windows(buf, key, batch_size: int, sequence_length: int, **options):
     return buf.sample(key, batch_size, sequence_length, **options)
 
 
+# 0.2 and later: an `NStep` is what `sample` draws (`sample_transitions` is deprecated).
+NSTEP_SAMPLE = hasattr(dx.TrajectoryBuffer, "law")
+
+
 def sample_transitions(buf, key, batch_size: int, n: int, *, discount: float, **leaves):
-    """`buf.sample_transitions` of `batch_size` `n`-step transitions; `leaves` names the
-    `reward`, `terminated` and (optionally) `truncated` leaves."""
+    """`batch_size` `n`-step transitions of `buf`; `leaves` names the `reward`, `terminated`
+    and (optionally) `truncated` leaves."""
+    if NSTEP_SAMPLE:
+        return buf.sample(key, batch_size, dx.NStep(n, **leaves), discount=discount)
     if WINDOW_API:
         return buf.sample_transitions(key, batch_size, dx.NStep(n, **leaves), discount=discount)
     return buf.sample_transitions(key, batch_size, n, discount=discount, **leaves)

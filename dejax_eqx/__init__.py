@@ -14,8 +14,15 @@ from ._global import AbstractGlobalBuffer as AbstractGlobalBuffer
 from ._global_replay import GlobalReplay as GlobalReplay
 from ._global_trajectories import GlobalTrajectoryBuffer as GlobalTrajectoryBuffer
 from ._io import load as load, save as save
+from ._laws import (
+    AbstractEnumerableLaw as AbstractEnumerableLaw,
+    AbstractLaw as AbstractLaw,
+    Candidates as Candidates,
+    Draw as Draw,
+    MixedLaw as MixedLaw,
+)
 from ._nstep import NStep as NStep, Transitions as Transitions
-from ._policy_age import AgedSample as AgedSample, PolicyAge as PolicyAge
+from ._policy_age import AgedLaw as AgedLaw, AgedSample as AgedSample, PolicyAge as PolicyAge
 from ._priorities import (
     importance_weights as importance_weights,
     sequence_priorities as sequence_priorities,

@@ -177,7 +177,7 @@ class AgedSample(NamedTuple):
     - `ages`: int32 `(batch,)`, each row's age, `current - version` (of its first step for a
         window), in `[0, max_age]`.
     - `probabilities`: `(batch,)`, the probability of drawing each row in one i.i.d. draw,
-        `P(i)`.
+        `P(i)` (for a `ClusteredReplay`, within the row's cluster, as its plain sample's).
     - `weights`: `(batch,)`, the importance weights toward the age-weighted target, at most
         1; all 1 for `UniformReplay` and `TrajectoryBuffer`.
     - `generations`: uint32 `(batch,)`, the write generation of each slot
@@ -209,7 +209,40 @@ class AgedLaw(AbstractLaw):
     count: int = eqx.field(static=True)  # the base's candidates per buffer
     stratified: bool = eqx.field(static=True)
     noun: str = eqx.field(static=True)  # what a candidate is, for messages
-    call: str = eqx.field(static=True)
+
+    def __init__(
+        self,
+        base: AbstractEnumerableLaw,
+        buffer: Any,
+        age: PolicyAge,
+        *,
+        beta: Float[Array, ""] | None = None,
+        stratified: bool = False,
+        noun: str = "item",
+        call: str = "AgedLaw",
+    ):
+        """**Arguments:**
+
+        - `base`: the law to reweigh, one whose candidates can be listed.
+        - `buffer`: a buffer of the configuration it is drawn from (only its static
+            configuration is read: how many candidates it has).
+        - `age`: a `PolicyAge`.
+        - `beta`: the exponent of the importance weights that correct `base`'s masses
+            (`None`: weights of 1, for a law without masses to correct).
+        - `stratified`: one draw from each of `batch_size` equal slices of the total, else
+            i.i.d.
+        - `noun`: what a candidate is, for messages ("item", "window start").
+        - `call`: the call the law is made for, for messages.
+
+        **Raises:** `TypeError` at once if `age` is not a `PolicyAge`.
+        """
+        if not isinstance(age, PolicyAge):
+            raise TypeError(
+                f"`{call}(age=...)` must be a `dx.PolicyAge`, got {type(age).__name__}."
+            )
+        self.base, self.age, self.beta = base, age, beta
+        self.count = base.num_candidates(buffer)
+        self.stratified, self.noun = stratified, noun
 
     def _weigh(
         self, buffer: Any
@@ -311,23 +344,6 @@ class AgedLaw(AbstractLaw):
                 "can be drawn",
             ),
         ]
-
-
-def aged(
-    base: AbstractEnumerableLaw,
-    buffer: Any,
-    age: Any,
-    beta: Float[Array, ""] | None,
-    *,
-    stratified: bool,
-    noun: str,
-    call: str,
-) -> AgedLaw:
-    """`base` reweighed by `age` (a `PolicyAge`, checked here) over `buffer`'s candidates."""
-    if not isinstance(age, PolicyAge):
-        raise TypeError(f"`{call}(age=...)` must be a `dx.PolicyAge`, got {type(age).__name__}.")
-    count = base.num_candidates(buffer)
-    return AgedLaw(base, age, beta, count, stratified, noun, call)
 
 
 def _finite(top: Float[Array, "*s"]) -> Float[Array, "*s"]:

@@ -43,7 +43,7 @@ from ._laws import (
     locate,
     probability,
 )
-from ._policy_age import aged, PolicyAge
+from ._policy_age import AgedLaw, PolicyAge
 from ._priorities import check_beta, HasPriorities, mass_faults, Priorities
 from ._storage import (
     apply,
@@ -383,7 +383,8 @@ class PrioritisedReplay(AbstractPrioritisedReplay, HasPriorities):
         dtype = self.priorities.max_priority.dtype
         beta, faults = check_beta(1.0 if beta is None else beta, call, dtype)
         stratified = self.priorities.stratified
-        return aged(base, self, age, beta, stratified=stratified, noun="item", call=call), faults
+        law = AgedLaw(base, self, age, beta=beta, stratified=stratified, noun="item", call=call)
+        return law, faults
 
     def update(self: _P, fn: Callable[[PyTree[Array]], PyTree[Array]]) -> _P:
         """Apply `fn(item) -> item` to every stored item; priorities are unchanged."""

@@ -34,7 +34,7 @@ from ._laws import (
     probability,
 )
 from ._nstep import NStep
-from ._policy_age import aged, PolicyAge
+from ._policy_age import AgedLaw, PolicyAge
 from ._priorities import check_beta, HasPriorities, mass_faults, Priorities, weights
 from ._sequences import (
     count_starts,
@@ -294,7 +294,8 @@ class PrioritisedTrajectoryBuffer(AbstractTrajectoryBuffer, HasPriorities):
         base = PrioritisedWindowLaw(window, beta, k, capacity, self.stratified)
         if age is None:
             return base, faults
-        law = aged(base, self, age, beta, stratified=self.stratified, noun="window", call=call)
+        stratified = self.stratified
+        law = AgedLaw(base, self, age, beta=beta, stratified=stratified, noun="window", call=call)
         return law, faults
 
     def sample(

@@ -25,7 +25,18 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, ArrayLike, Bool, Int, Integer, PRNGKeyArray, PyTree, Real, UInt32
+from jaxtyping import (
+    Array,
+    ArrayLike,
+    Bool,
+    Int,
+    Integer,
+    PRNGKeyArray,
+    PyTree,
+    Real,
+    Shaped,
+    UInt32,
+)
 
 from ._abstract import (
     AbstractReplay,
@@ -40,7 +51,7 @@ from ._int64 import add_product, less_equal
 from ._laws import AbstractLaw
 from ._nstep import NStep
 from ._policy_age import PolicyAge
-from ._rate_limiter import count_inserts, count_samples, folded_inserts, RateLimiter
+from ._rate_limiter import checked_amount, count_inserts, count_samples, folded_inserts, RateLimiter
 from ._rates import Rate
 from ._streams import Streams
 from ._windows import Window
@@ -189,7 +200,7 @@ class RateLimited(eqx.Module, metaclass=_ByFamily):
         shards, with every shard's pending inserts: one all-reduce, in every process)."""
         return self._folded("RateLimited.counts").counts()
 
-    def with_counts(self: _W, counts: tuple[int, int] | None) -> _W:
+    def _counted(self: _W, counts: tuple[int, int] | None) -> _W:
         """This `RateLimited` with the counts `(inserts, samples)` (kept elsewhere: a
         `Dataset`'s record), and no pending inserts.
 
@@ -219,11 +230,17 @@ class RateLimited(eqx.Module, metaclass=_ByFamily):
 
     # --- counting -----------------------------------------------------------------------
 
-    def _inserted(self: _W, buffer: Any, units: Int[Array, " shards"], call: str) -> _W:
-        """This `RateLimited` around `buffer`, after an insert of `units` per shard."""
+    def _inserted(
+        self: _W, buffer: Any, units: int | Int[Array, "*shards"], call: str, total: int | None
+    ) -> _W:
+        """This `RateLimited` around `buffer`, after an insert of `units` (per shard, over
+        several: see `_per_shard`), of `total` units in all where that is static."""
         if self.pending.shape[0] == 1:
-            limiter = count_inserts(self.limiter, units[0], call)
+            limiter = count_inserts(self.limiter, units, call)
             return eqx.tree_at(lambda r: (r.buffer, r.limiter), self, (buffer, limiter))
+        assert not isinstance(units, int), "over several shards, the units are per shard"
+        if total is not None:  # refused at once, as for one shard
+            checked_amount(total, self.limiter.insert_batch_size, call, "insert", "items")
         shared = (self.limiter, units, call)
         (pending,), _ = buffer.map_shards(_count_share, (self.pending,), shared)
         return eqx.tree_at(lambda r: (r.buffer, r.pending), self, (buffer, pending))
@@ -287,9 +304,17 @@ def insert_units(
     return shape[0] * (shape[1] if steps else 1)
 
 
-def _per_shard(units: Int[ArrayLike, " n"] | int, rows: int, shards: int) -> Int[Array, " s"]:
-    """The units each shard receives of an insert of `rows` rows (split into equal blocks),
-    `units` per row (a static int) or one flag per row (a mask)."""
+def _per_shard(
+    units: Shaped[ArrayLike, " n"] | int, rows: int, shards: int
+) -> int | Int[Array, "*s"]:
+    """The units of an insert of `rows` rows, `units` per row (a static int) or one flag per
+    row (a mask): for a buffer of one shard, their number (a Python int when static, so that
+    an amount above the limiter's batch size is refused at once); for several, the units each
+    shard receives of its equal block of the rows (an int32 array, one per shard)."""
+    if shards == 1:
+        if isinstance(units, int):
+            return rows * units
+        return jnp.sum(jnp.asarray(units), dtype=jnp.int32)
     if isinstance(units, int):
         return jnp.full(shards, (rows // shards) * units, jnp.int32)
     flags = jnp.asarray(units).astype(jnp.int32).reshape(shards, rows // shards)
@@ -411,11 +436,14 @@ class RateLimitedReplay(RateLimited, AbstractReplay):
     def item_spec(self) -> PyTree[jax.ShapeDtypeStruct]:
         return self.buffer.item_spec
 
-    def add(self: _RR, item: PyTree[ArrayLike]) -> _RR:
-        """The replay's `add`, counted: 1 insert."""
-        buffer = self.buffer.add(item)
+    def add(self: _RR, item: PyTree[ArrayLike], priority: Real[ArrayLike, ""] | None = None) -> _RR:
+        """The replay's `add` (with `priority` for a prioritised replay), counted: 1 insert."""
+        if priority is None:
+            buffer = self.buffer.add(item)
+        else:
+            buffer = self.buffer.add(item, priority)  # pyright: ignore[reportCallIssue]
         return self._inserted(
-            buffer, _per_shard(1, self.num_shards, self.num_shards), "RateLimited.add"
+            buffer, _per_shard(1, self.num_shards, self.num_shards), "RateLimited.add", 1
         )
 
     def add_batch(
@@ -434,11 +462,16 @@ class RateLimitedReplay(RateLimited, AbstractReplay):
             buffer = self.buffer.add_batch(items, priorities, mask=mask)  # pyright: ignore
         n = jax.tree.leaves(items)[0].shape[0]
         units = _per_shard(1 if mask is None else mask, n, self.num_shards)
-        return self._inserted(buffer, units, call)
+        return self._inserted(buffer, units, call, n if mask is None else None)
 
     def update(self: _RR, fn: Callable[[PyTree[Array]], PyTree[Array]]) -> _RR:
         """The replay's `update`, not counted."""
         return self.with_buffer(self.buffer.update(fn))
+
+    def with_counts(self: _RR, counts: tuple[int, int] | None) -> _RR:
+        """This `RateLimited` with the counts `(inserts, samples)` (kept elsewhere), and no
+        pending inserts. **Raises:** `ValueError` for `None` (none were kept)."""
+        return self._counted(counts)
 
     def law(
         self,
@@ -567,7 +600,7 @@ class RateLimitedTrajectoryBuffer(RateLimited, AbstractTrajectoryBuffer):
         buffer = self.buffer.add(items, env_ids)
         rows = jax.tree.leaves(items)[0].shape[0]
         units = _per_shard(1, rows, self.num_shards)
-        return self._inserted(buffer, units, "RateLimited.add")
+        return self._inserted(buffer, units, "RateLimited.add", rows)
 
     def extend(
         self: _RT, items: PyTree[ArrayLike], env_ids: Integer[ArrayLike, " n"] | None = None
@@ -576,11 +609,16 @@ class RateLimitedTrajectoryBuffer(RateLimited, AbstractTrajectoryBuffer):
         buffer = self.buffer.extend(items, env_ids)
         rows, length = jax.tree.leaves(items)[0].shape[:2]
         units = _per_shard(length, rows, self.num_shards)
-        return self._inserted(buffer, units, "RateLimited.extend")
+        return self._inserted(buffer, units, "RateLimited.extend", rows * length)
 
     def with_streams(self: _RT, streams: Streams) -> _RT:
         """The buffer's `with_streams`, the counts unchanged."""
         return self.with_buffer(self.buffer.with_streams(streams))
+
+    def with_counts(self: _RT, counts: tuple[int, int] | None) -> _RT:
+        """This `RateLimited` with the counts `(inserts, samples)` a `Dataset` kept, and no
+        pending inserts. **Raises:** `ValueError` for `None` (the dataset kept none)."""
+        return self._counted(counts)
 
     def law(
         self,
@@ -639,7 +677,8 @@ class RateLimitedTrajectoryBuffer(RateLimited, AbstractTrajectoryBuffer):
         """A trajectory queue's `pop`, counted: `num_envs` rows (one sequence per env).
         Returns `(items, limited)`, in the queue's order."""
         call = "RateLimited.pop"
-        self.buffer.can_pop(1)  # a buffer that is not read once says so here, at once
+        # A buffer that is not read once says so here, at once.
+        eqx.filter_eval_shape(lambda b: b.pop(sequence_length), self.buffer)
         limited = self._sampled(self.num_envs, call)
         items, buffer = self.buffer.pop(sequence_length)
         return items, limited.with_buffer(buffer)

@@ -256,14 +256,14 @@ class RateLimiter(eqx.Module):
         error for an array. Returns a boolean scalar array.
         """
         call = "RateLimiter.can_insert"
-        n, faults = _amount(n, self.insert_batch_size, call, "insert", "items")
+        n, faults = checked_amount(n, self.insert_batch_size, call, "insert", "items")
         return check_faults(insertable(self, n), faults)
 
     def can_sample(self, n: Integer[ArrayLike, ""] = 1) -> Bool[Array, ""]:
         """Whether a sample of `n` rows may proceed now: `n` as for `can_insert`, in `[0,
         sample_batch_size]`."""
         call = "RateLimiter.can_sample"
-        n, faults = _amount(n, self.sample_batch_size, call, "sample", "rows")
+        n, faults = checked_amount(n, self.sample_batch_size, call, "sample", "rows")
         return check_faults(sampleable(self, n), faults)
 
     def sample_budget(self, batch_size: int = 1) -> Int[Array, ""]:
@@ -376,7 +376,7 @@ def _made(cls: type[_L], call: str, *args: Any) -> _L:
 
 
 # ---------------------------------------------------------------------------------------------
-# The law on the device. The functions take amounts already checked by `_amount`.
+# The law on the device. The functions take amounts already checked by `amount`.
 
 
 def insertable(limiter: RateLimiter, n: Int[Array, ""]) -> Bool[Array, ""]:
@@ -403,7 +403,7 @@ def sampleable(limiter: RateLimiter, n: Int[Array, ""]) -> Bool[Array, ""]:
 def count_inserts(limiter: _L, n: Integer[ArrayLike, ""], call: str) -> _L:
     """`limiter` after an insert of `n` items, checked: the law, the range of `n`, and the
     counters' range. `call` names the user's call in the messages."""
-    amount, faults = _amount(n, limiter.insert_batch_size, call, "insert", "items")
+    amount, faults = checked_amount(n, limiter.insert_batch_size, call, "insert", "items")
     rate = limiter.rate
     inserts, big = add_product(limiter.inserts, amount, 1)
     balance, wide = add_product(limiter.balance, amount, rate.p)
@@ -430,7 +430,7 @@ def folded_inserts(limiter: _L, n: UInt32[Array, ""], call: str) -> _L:
 
 def count_samples(limiter: _L, n: Integer[ArrayLike, ""], call: str) -> _L:
     """`limiter` after a sample of `n` rows, checked as `count_inserts` checks inserts."""
-    amount, faults = _amount(n, limiter.sample_batch_size, call, "sample", "rows")
+    amount, faults = checked_amount(n, limiter.sample_batch_size, call, "sample", "rows")
     rate = limiter.rate
     samples, big = add_product(limiter.samples, amount, 1)
     balance, wide = sub_product(limiter.balance, amount, rate.scale)
@@ -492,7 +492,7 @@ def _too_many(what: str, most: int, kind: str, unit: str) -> str:
     )
 
 
-def _amount(
+def checked_amount(
     n: Any, most: int, call: str, kind: str, unit: str
 ) -> tuple[Int[Array, ""], list[Fault]]:
     """The amount `n` of an insert or a sample as an int32 in `[0, most]` (0 where it is out

@@ -723,6 +723,12 @@ class ReplayService:
                 f"{sorted(set(options) - {'beta', 'age'}) or ['what']} are a trajectory "
                 "buffer's."
             )
+        # The arguments checked at the door, before any wait: the law they ask for is made
+        # (from the buffer's static configuration) and dropped.
+        if self._trajectories:
+            self._cell.buffer.law(what, **options, call=call)
+        else:
+            self._cell.buffer.law(**options, call=call)
         return self._draw(_sample, rows, (key, batch_size, what, options), timeout, call)
 
     def pop(self, sequence_length: int, *, timeout: float | None = None) -> PyTree[Array]:

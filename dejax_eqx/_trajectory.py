@@ -31,7 +31,7 @@ from ._laws import (
     split_union,
 )
 from ._nstep import as_nstep, NStep, read_transitions, Transitions
-from ._policy_age import aged, PolicyAge
+from ._policy_age import AgedLaw, PolicyAge
 from ._priorities import check_beta
 from ._sequences import admissible, draw_starts, Law, phase, start_log_weights
 from ._streams import (
@@ -219,10 +219,7 @@ class TrajectoryBuffer(AbstractTrajectoryBuffer):
             beta, beta_faults = check_beta(1.0 if beta is None else beta, call, jnp.float32)
             faults += beta_faults
             noun = "window start" if isinstance(what, Window) else "transition start"
-            parts = [
-                aged(part, self, age, None, stratified=False, noun=noun, call=call)
-                for part in parts
-            ]
+            parts = [AgedLaw(part, self, age, noun=noun, call=call) for part in parts]
         if isinstance(source, Mapping):
             return MixedLaw(tuple(parts), tuple(sources.values()), call), faults
         return parts[0], faults
@@ -383,7 +380,7 @@ class TrajectoryBuffer(AbstractTrajectoryBuffer):
         self, env_ids: Integer[ArrayLike, "*n"], starts: Integer[ArrayLike, "*n"]
     ) -> Bool[Array, "*n"]:
         """Deprecated: `stale` under its old name (removed in the next release)."""
-        warn_replaced("TrajectoryBuffer.overwritten", "stale (the same)")
+        warn_replaced("TrajectoryBuffer.overwritten", "stale")
         return self.stale(env_ids, starts)
 
 

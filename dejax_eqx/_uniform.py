@@ -10,7 +10,7 @@ from ._abstract import AbstractReplay
 from ._checks import as_prototype, check_fn_output, check_items, check_positive_int, Prototype
 from ._faults import Fault
 from ._laws import AbstractEnumerableLaw, AbstractLaw, Candidates, Draw, locate
-from ._policy_age import aged, PolicyAge
+from ._policy_age import AgedLaw, PolicyAge
 from ._priorities import check_beta
 from ._storage import (
     apply,
@@ -104,7 +104,7 @@ class UniformReplay(AbstractReplay):
             return UniformLaw(self.max_size), []
         beta, faults = check_beta(1.0 if beta is None else beta, call, jnp.float32)
         base = UniformLaw(self.max_size)
-        return aged(base, self, age, None, stratified=False, noun="item", call=call), faults
+        return AgedLaw(base, self, age, noun="item", call=call), faults
 
     def update(self: _U, fn: Callable[[PyTree[Array]], PyTree[Array]]) -> _U:
         check_fn_output(self.item_spec, fn, "UniformReplay.update")

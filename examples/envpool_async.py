@@ -62,7 +62,8 @@ def main(
 
     @eqx.filter_jit(donate="all-except-first")
     def learn(key, buf):
-        sample = buf.sample_mixed(key, replay_batch_size, online_batch_size, window)
+        sources = {"replay": replay_batch_size, "online": online_batch_size}
+        sample = buf.sample(key, replay_batch_size + online_batch_size, window, source=sources)
         seqs, mask = sample.items, sample.mask
         # A real learner would compute its loss on `seqs`, weighting steps by `mask` and
         # cutting returns at `seqs["done"]`; here we only measure the batch.

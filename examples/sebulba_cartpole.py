@@ -12,8 +12,8 @@ rate limiter (Sebulba style: threads in one process).
   `min_size_to_sample` transitions are in. A fast actor blocks in `add_batch` until the learner
   has caught up; a fast learner blocks in `sample` until the actors have inserted enough.
 - **Learner.** One thread: Double DQN with a Polyak-averaged target network (optax Adam). It
-  samples with `sample_by_age`: transitions whose policy is more than `max_age` versions older
-  than the learner's are excluded, so the learner never trains on data from a policy long gone.
+  samples with `sample(..., age=...)`: transitions whose policy is more than `max_age`
+  versions older than the learner's are excluded, so the learner never trains on data from a policy long gone.
   After every update it publishes its parameters and the new version to the actors.
 - **Evaluation.** The main thread runs greedy episodes in a separate envpool every
   `eval_every` seconds, stops everyone when the mean return reaches `--target-return` (400 by
@@ -244,11 +244,7 @@ def learner_loop(
                 key, sample_key = jax.random.split(key)
                 age = dx.PolicyAge(policy_version, jnp.int32(version), max_age)
                 sample = service.sample(
-                    sample_key,
-                    cfg.batch_size,
-                    age,
-                    method="sample_by_age",
-                    timeout=cfg.wait_timeout,
+                    sample_key, cfg.batch_size, age=age, timeout=cfg.wait_timeout
                 )
                 learner = update(learner, sample.items)
                 version += 1

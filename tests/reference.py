@@ -144,19 +144,39 @@ class RefClusteredReplay:
         """Every stored item, cluster by cluster, each cluster in its inner model's order."""
         return [item for c in self.clusters for item in c.contents()]
 
+    def drawable(self) -> list[bool]:
+        """Per cluster, whether its inner model holds an item it can draw: a non-empty
+        cluster whose items all have priority 0 is never chosen."""
+        out = []
+        for c in self.clusters:
+            try:
+                c.probabilities()
+            except (EmptyBufferError, AllZeroError):
+                out.append(False)
+            else:
+                out.append(True)
+        return out
+
     def cluster_probabilities(self) -> np.ndarray:
         sizes = np.array(self.cluster_sizes, dtype=np.float64)
         if not sizes.any():
             raise EmptyBufferError
+        drawable = np.asarray(self.drawable())
+        if not drawable.any():
+            raise AllZeroError
         weights = np.zeros_like(sizes)
-        weights[sizes > 0] = sizes[sizes > 0] ** self.distribution_power
+        weights[drawable] = sizes[drawable] ** self.distribution_power
         return weights / weights.sum()
 
     def probabilities(self) -> np.ndarray:
         """The probability of drawing each stored item (in `contents()` order) in one draw."""
         p = self.cluster_probabilities()
         return np.concatenate(
-            [p[i] * c.probabilities()[: c.size] for i, c in enumerate(self.clusters) if c.size > 0]
+            [
+                p[i] * c.probabilities()[: c.size] if p[i] > 0 else np.zeros(c.size)
+                for i, c in enumerate(self.clusters)
+                if c.size > 0
+            ]
         )
 
 
@@ -505,7 +525,7 @@ class RefPrioritisedTrajectory:
         return {w: self.mass(w) / total for w in self.priorities}
 
 
-# Policy age (`sample_by_age`): a candidate's age is the current policy version minus the
+# Policy age (`sample(..., age=...)`): a candidate's age is the current policy version minus the
 # version stored with it (with its window's first step).
 
 

@@ -176,9 +176,7 @@ _replay_fill = _new(lambda b, a: (b.add_batch(a), None), _items)
 
 _UNIFORM = {
     **_replay_methods(),
-    "sample_by_age": _query(
-        lambda b, a: b.sample_by_age(a[0], BATCH, _age(a[1])), _key_and_version
-    ),
+    "sample(age)": _query(lambda b, a: b.sample(a[0], BATCH, age=_age(a[1])), _key_and_version),
 }
 
 _PRIORITISED = {
@@ -207,8 +205,16 @@ _PRIORITISED = {
     "stale": _query(lambda b, a: b.stale(a[0], a[1]), lambda s: (_indices(s), _generations(s))),
     "max_priority": _query(lambda b, a: b.max_priority, _none),
     "tree": _query(lambda b, a: b.tree, _none),
-    "sample_by_age": _query(
-        lambda b, a: b.sample_by_age(a[0], BATCH, _age(a[1]), beta=0.5), _key_and_version
+    "sample(age, beta)": _query(
+        lambda b, a: b.sample(a[0], BATCH, age=_age(a[1]), beta=0.5), _key_and_version
+    ),
+    "note_priorities": _new(
+        lambda b, a: (b.note_priorities(a[0], a[1]), None),
+        lambda s: (_indices(s), _priorities(s)),
+    ),
+    "stale(mask)": _query(
+        lambda b, a: b.stale(a[0], a[1], mask=a[2]),
+        lambda s: (_indices(s), _generations(s), _mask(s)),
     ),
     # The free function that goes with a prioritised sample.
     "importance_weights": _query(
@@ -240,6 +246,7 @@ def _clustered_prioritised(spec, capacity):
 _CLUSTERED = {
     **_replay_methods(),
     "cluster_sizes": _query(lambda b, a: b.cluster_sizes, _none),
+    "sample(age)": _query(lambda b, a: b.sample(a[0], BATCH, age=_age(a[1])), _key_and_version),
 }
 
 
@@ -251,7 +258,7 @@ def _clustered_set_priorities(b, a):
     # Slot 0 of any cluster that holds an item; the others are masked out by pointing them at
     # a cluster's slot 0 only where it is stored.
     ids, priorities = a
-    return b.set_priorities(ids, jnp.zeros_like(ids), priorities)
+    return b.set_priorities((ids, jnp.zeros_like(ids)), priorities)
 
 
 _CLUSTERED_PRIORITISED = {
@@ -262,10 +269,14 @@ _CLUSTERED_PRIORITISED = {
     ),
     "set_priorities(generations)": _new(
         lambda b, a: (
-            b.set_priorities(a[0], jnp.zeros_like(a[0]), a[1], generations=a[2]),
+            b.set_priorities((a[0], jnp.zeros_like(a[0])), a[1], generations=a[2]),
             None,
         ),
         lambda s: (np.zeros(BATCH, np.int32) + s % 2, _priorities(s), _generations(s)),
+    ),
+    "note_priorities": _new(
+        lambda b, a: (b.note_priorities((a[0], jnp.zeros_like(a[0])), a[1]), None),
+        lambda s: (np.zeros(BATCH, np.int32) + s % 2, _priorities(s)),
     ),
 }
 
@@ -377,6 +388,11 @@ def _abstract_trajectory_methods() -> dict[str, Method]:
             lambda s: np.asarray([s % NUM_ENVS, 0], np.int32),
         ),
         "peek(all envs)": _query(lambda b, a: b.peek(), _none),
+        "peek(mask)": _query(
+            lambda b, a: b.peek(a, mask=a > 0),
+            lambda s: np.asarray([s % NUM_ENVS, 0], np.int32),
+        ),
+        "stale(mask)": _query(lambda b, a: b.stale(a[0], a[1], mask=a[0] != 1), _stored_stamps),
         "data": _query(lambda b, a: b.data, _none),
         "step_count": _query(lambda b, a: b.step_count, _none),
         # A query: the buffer it makes has lost its online queue, unread steps or priorities,
@@ -392,18 +408,28 @@ _TRAJECTORY = {
         lambda s: (_key(s), np.float32(1.5)),
     ),
     "sample(online)": _query(lambda b, a: b.sample(a, BATCH, _SEQUENCE, source="online"), _key),
-    "sample_mixed": _query(lambda b, a: b.sample_mixed(a, 2, 1, _SEQUENCE), _key),
+    "sample(source mapping)": _query(
+        lambda b, a: b.sample(a, BATCH, _SEQUENCE, source={"replay": 2, "online": 1}), _key
+    ),
     "sample(windows)": _query(lambda b, a: b.sample(a, BATCH, _WINDOWS), _key),
-    "sample_transitions": _query(
-        lambda b, a: b.sample_transitions(a[0], BATCH, _NSTEP, discount=a[1]),
+    "sample(nstep)": _query(
+        lambda b, a: b.sample(a[0], BATCH, _NSTEP, discount=a[1]),
         lambda s: (_key(s), np.float32(0.9)),
     ),
-    "sample_by_age": _query(
-        lambda b, a: b.sample_by_age(a[0], BATCH, _age(a[1]), _SEQUENCE), _key_and_version
+    "sample(age)": _query(
+        lambda b, a: b.sample(a[0], BATCH, _SEQUENCE, age=_age(a[1])), _key_and_version
+    ),
+    "sample(nstep, age)": _query(
+        lambda b, a: b.sample(a[0], BATCH, _NSTEP, discount=0.9, age=_age(a[1])),
+        _key_and_version,
     ),
     # The windows from each env's newest step (older ones may be stale after a few steps).
     "read": _query(
         lambda b, a: b.read(a, b.step_count[a] - 1, _WINDOWS),
+        lambda s: np.asarray([s % NUM_ENVS, 0], np.int32),
+    ),
+    "read(mask)": _query(
+        lambda b, a: b.read(a, b.step_count[a] - 1, _WINDOWS, mask=a == 0),
         lambda s: np.asarray([s % NUM_ENVS, 0], np.int32),
     ),
     "replay_length": _query(lambda b, a: b.replay_length, _none),
@@ -442,15 +468,19 @@ _PRIORITISED_TRAJECTORY = {
     "stale(windows)": _query(lambda b, a: b.stale(*a), _window_stamps),
     "num_windows": _query(lambda b, a: b.num_windows, _none),
     "stamp_of": _query(lambda b, a: b.stamp_of(a), lambda s: np.asarray([s % 6, 0, 5], np.int32)),
-    "window_masses": _query(lambda b, a: b.window_masses(), _none),
-    "with_window_masses": _new(
-        lambda b, a: (b.with_window_masses(a[:, : b.leaves_per_env]), None),
+    "window_priorities": _query(lambda b, a: b.window_priorities(), _none),
+    "with_window_priorities": _new(
+        lambda b, a: (b.with_window_priorities(a[:, : b.leaves_per_env]), None),
         lambda s: np.random.default_rng(s).random((NUM_ENVS, 8)).astype(np.float32),
+    ),
+    "note_priorities": _new(
+        lambda b, a: (b.note_priorities(a[0], a[1], a[2]), None),
+        lambda s: (*_window_stamps(s), _priorities(s)),
     ),
     "tree": _query(lambda b, a: b.tree, _none),
     "max_priority": _query(lambda b, a: b.max_priority, _none),
-    "sample_by_age": _query(
-        lambda b, a: b.sample_by_age(a[0], BATCH, _age(a[1]), beta=0.5), _key_and_version
+    "sample(age, beta)": _query(
+        lambda b, a: b.sample(a[0], BATCH, age=_age(a[1]), beta=0.5), _key_and_version
     ),
 }
 
@@ -601,6 +631,42 @@ def _streams_step(streams, spec, rng):
 
 _STATIC = "a static Python value, not an array"
 _TRAJECTORY_STATIC = {"item_spec": _STATIC, "num_envs": _STATIC, "max_length": _STATIC}
+_LAYERS = "tests/test_layers.py, every layer over every kind"
+# What every buffer states for the layers over its family: covered there.
+_PROTOCOL = {
+    "law": f"the law the layers draw by ({_LAYERS})",
+    "layered": _STATIC,
+    "num_shards": _STATIC,
+    "place_shards": f"where a layer keeps per-shard counts ({_LAYERS})",
+    "map_shards": f"a layer's code on each shard ({_LAYERS})",
+}
+_NO_PRIORITIES = "refused at once for a buffer without priorities (tests/test_layers.py)"
+_REPLAY_PROTOCOL = {
+    **_PROTOCOL,
+    "split_indices": f"how a name maps to its shard ({_LAYERS})",
+}
+_REPLAY_WITHOUT_PRIORITIES = {
+    "set_priorities": _NO_PRIORITIES,
+    "stale": _NO_PRIORITIES,
+    "note_priorities": f"the buffer as it is, without priorities ({_LAYERS})",
+}
+_TRAJECTORY_PROTOCOL = {
+    **_PROTOCOL,
+    "split_envs": f"how an env id maps to its shard ({_LAYERS})",
+    "counts": f"None for a buffer that counts nothing ({_LAYERS})",
+    "with_counts": f"the buffer as it is for a buffer that counts nothing ({_LAYERS})",
+    "priority_settings": f"static: what a dataset keeps of the priorities ({_LAYERS})",
+}
+_TRAJECTORY_WITHOUT_PRIORITIES = {
+    "set_priorities": _NO_PRIORITIES,
+    "note_priorities": f"the buffer as it is, without priorities ({_LAYERS})",
+    "window_priorities": f"None for a buffer without priorities ({_LAYERS})",
+    "with_window_priorities": _NO_PRIORITIES,
+}
+_NOT_A_QUEUE = {
+    "pop": "refused at once: the buffer is sampled, not read once (tests/test_layers.py)",
+    "can_pop": "refused at once: the buffer is sampled, not read once (tests/test_layers.py)",
+}
 
 BUFFER_TYPES = [
     BufferType(
@@ -618,7 +684,12 @@ BUFFER_TYPES = [
         dx.UniformReplay,
         _replay_fill,
         _UNIFORM,
-        {"max_size": _STATIC, "item_spec": _STATIC},
+        {
+            "max_size": _STATIC,
+            "item_spec": _STATIC,
+            **_REPLAY_PROTOCOL,
+            **_REPLAY_WITHOUT_PRIORITIES,
+        },
         _uniform_step,
     ),
     BufferType(
@@ -632,6 +703,7 @@ BUFFER_TYPES = [
             "item_spec": _STATIC,
             "priority_exponent": _STATIC,
             "stratified": _STATIC,
+            **_REPLAY_PROTOCOL,
         },
         _prioritised_step,
     ),
@@ -644,6 +716,8 @@ BUFFER_TYPES = [
         {
             "max_size": _STATIC,
             "item_spec": _STATIC,
+            **_REPLAY_PROTOCOL,
+            **_REPLAY_WITHOUT_PRIORITIES,
             "set_priorities": "refused at trace time: the inner replay has no priorities",
         },
         _clustered_step,
@@ -654,7 +728,12 @@ BUFFER_TYPES = [
         _clustered_prioritised,
         _clustered_fill,
         _CLUSTERED_PRIORITISED,
-        {"max_size": _STATIC, "item_spec": _STATIC},
+        {
+            "max_size": _STATIC,
+            "item_spec": _STATIC,
+            **_REPLAY_PROTOCOL,
+            "stale": "refused at once: a ClusteredReplay keeps no write generations of its own",
+        },
         _clustered_step,
     ),
     BufferType(
@@ -681,7 +760,15 @@ BUFFER_TYPES = [
         _trajectory,
         _trajectory_fill,
         _TRAJECTORY,
-        {**_TRAJECTORY_STATIC, "overwritten": "a deprecated alias of `stale`"},
+        {
+            **_TRAJECTORY_STATIC,
+            **_TRAJECTORY_PROTOCOL,
+            **_TRAJECTORY_WITHOUT_PRIORITIES,
+            **_NOT_A_QUEUE,
+            "overwritten": "a deprecated alias of `stale`",
+            "sample_mixed": "a deprecated form of `sample` (tests/test_trajectory.py)",
+            "sample_transitions": "a deprecated form of `sample` (tests/test_trajectory.py)",
+        },
         _trajectory_step,
     ),
     BufferType(
@@ -706,6 +793,10 @@ BUFFER_TYPES = [
                 ]
             },
             "streams": "`trajectories.streams`, a `Streams` (its own entry covers it)",
+            **_TRAJECTORY_PROTOCOL,
+            **_NOT_A_QUEUE,
+            "read": "refused at once: a PrioritisedTrajectoryBuffer reads its windows by "
+            "priority (`trajectories.read` reads by stamp)",
         },
         _prioritised_trajectory_step,
     ),
@@ -715,7 +806,13 @@ BUFFER_TYPES = [
         _queue,
         _trajectory_fill,
         _QUEUE,
-        _TRAJECTORY_STATIC,
+        {
+            **_TRAJECTORY_STATIC,
+            **_TRAJECTORY_PROTOCOL,
+            **_TRAJECTORY_WITHOUT_PRIORITIES,
+            "sample": "refused at once: a queue is read once with `pop` (tests/test_layers.py)",
+            "read": "refused at once: a queue is read once with `pop` (tests/test_layers.py)",
+        },
         _queue_step,
     ),
 ]

@@ -7,10 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from dejax_eqx._laws import AbstractLaw, Draw, locate
 from dejax_eqx._storage import gather
 from hypothesis.stateful import initialize, invariant, rule
 
 from .helpers import (
+    assert_bits_equal,
     assert_frequencies,
     assert_tree_equal,
     enable_x64,
@@ -226,7 +228,8 @@ class Drawn(NamedTuple):
 
 
 class IndexedReplay(dx.AbstractReplay):
-    """A test double of a replay whose draws are a NamedTuple, as PrioritisedReplay's are."""
+    """A test double of a replay whose draws are a NamedTuple, as PrioritisedReplay's are: a
+    user-defined replay states its law (`IndexedLaw`), and `sample` evaluates it."""
 
     inner: dx.UniformReplay
 
@@ -248,16 +251,42 @@ class IndexedReplay(dx.AbstractReplay):
     def item_spec(self):
         return self.inner.item_spec
 
-    def sample(self, key, batch_size):
-        return eqx.error_if(self.sample_unchecked(key, batch_size), self.size == 0, "empty")
-
-    def sample_unchecked(self, key, batch_size):
-        index = jax.random.randint(key, (batch_size,), 0, self.size, dtype=jnp.int32)
-        probability = jnp.full((batch_size,), 1.0) / self.size.astype(jnp.float32)
-        return Drawn(gather(self.inner.storage, index), index, probability)
+    def law(self, *, age=None, beta=None, call="IndexedReplay.law"):
+        if age is not None or beta is not None:
+            raise TypeError(f"`{call}`: an IndexedReplay has no aged draw.")
+        return IndexedLaw(self.max_size), []
 
     def update(self, fn):
         return eqx.tree_at(lambda r: r.inner, self, self.inner.update(fn))
+
+
+class IndexedLaw(AbstractLaw):
+    """Every stored item alike (over a union of replays, every item of every replay alike);
+    a row is `Drawn(item, index, probability)`, the index named in the union."""
+
+    max_size: int = eqx.field(static=True)
+
+    def summary(self, buffer):
+        return buffer.size
+
+    def draw(self, key, batch_size, summaries):
+        total = jnp.sum(summaries)
+        index = jax.random.randint(key, (batch_size,), 0, jnp.maximum(total, 1), dtype=jnp.int32)
+        return Draw(*locate(index, summaries))
+
+    def read(self, buffer, at):
+        return Drawn(gather(buffer.inner.storage, at), at, jnp.zeros(at.shape, jnp.float32))
+
+    def finish(self, rows, draw, summaries):
+        total = jnp.sum(summaries).astype(jnp.float32)
+        probability = jnp.full(draw.owner.shape, 1.0, jnp.float32) / total
+        return Drawn(rows.items, draw.at + draw.owner * self.max_size, probability)
+
+    def available(self, summaries):
+        return jnp.sum(summaries) > 0
+
+    def faults(self, summaries, call):
+        return [(jnp.sum(summaries) == 0, f"`{call}`: empty")]
 
 
 def test_rows_of_structured_draws_stay_together():
@@ -271,12 +300,20 @@ def test_rows_of_structured_draws_stay_together():
         assert cluster.contents()[index] == label
         assert probability == np.float32(1 / cluster.size)
     _check_frequencies(drawn.items, model)
+    # The double's own `sample` is the abstract class's: its law, and its law's faults.
+    double = IndexedReplay(uniform.add_batch(jnp.arange(3, dtype=jnp.int32)))
+    alone = double.sample(jax.random.key(1), 500)
+    assert isinstance(alone, Drawn) and set(np.asarray(alone.items).tolist()) == {0, 1, 2}
+    assert (np.asarray(alone.indices) == np.asarray(alone.items)).all()
+    assert (np.asarray(alone.probabilities) == np.float32(1 / 3)).all()
+    with pytest.raises(RuntimeError, match="`IndexedReplay.sample`: empty"):
+        IndexedReplay(uniform).sample(jax.random.key(0), 2)
 
 
 # ---------------------------------------------------------------------------------------------
 # A PrioritisedReplay inner: draws and priority updates go through the cluster of each row.
 
-_set_priorities = eqx.filter_jit(lambda r, c, i, p: r.set_priorities(c, i, p))
+_set_priorities = eqx.filter_jit(lambda r, c, i, p: r.set_priorities((c, i), p))
 
 
 def _prioritised(power):
@@ -314,6 +351,31 @@ def test_prioritised_inner_samples_cluster_then_priority(power):
     _check_frequencies(drawn.items, model)
 
 
+@pytest.mark.parametrize("power", [0.0, 1.0])
+def test_prioritised_inner_never_draws_a_cluster_whose_items_all_have_priority_0(power):
+    # Cluster 0 holds 5 items, all of priority 0 after the update: it is not chosen (its
+    # rows would be items of probability 0); cluster 1 takes every draw.
+    replay, model = _prioritised(power)
+    zero = (np.zeros(5, np.int32), np.arange(5, dtype=np.int32), np.zeros(5, np.float32))
+    model.set_priorities(*zero)
+    replay = _set_priorities(replay, *map(jnp.asarray, zero))
+    assert replay.cluster_sizes.tolist() == [5, 8, 0]
+    assert model.cluster_probabilities().tolist() == [0.0, 1.0, 0.0]
+    drawn = _draws(replay, jax.random.key(11))
+    assert (np.asarray(drawn.items) // 1000 == 1).all()
+    cluster = model.clusters[1]
+    index = np.asarray(drawn.indices)
+    assert (np.asarray(drawn.items) == np.asarray(cluster.contents())[index]).all()
+    np.testing.assert_allclose(drawn.probabilities, cluster.probabilities()[index], rtol=1e-5)
+    _check_frequencies(drawn.items, model)
+    # With every cluster's items at priority 0, nothing can be drawn.
+    everything = (np.ones(8, np.int32), np.arange(8, dtype=np.int32), np.zeros(8, np.float32))
+    replay = _set_priorities(replay, *map(jnp.asarray, everything))
+    for sample in [lambda r, k, n: r.sample(k, n), _sample_n]:  # eagerly and under jit
+        with pytest.raises(RuntimeError, match="no cluster holds an item that can be drawn"):
+            sample(replay, jax.random.key(0), 4)
+
+
 def test_prioritised_inner_set_priorities_errors():
     replay, _ = _prioritised(1.0)
     good = jnp.asarray([1.0])
@@ -323,11 +385,11 @@ def test_prioritised_inner_set_priorities_errors():
         _set_priorities(replay, jnp.asarray([0]), jnp.asarray([5]), good)
     with pytest.raises(RuntimeError, match="finite and non-negative"):
         _set_priorities(replay, jnp.asarray([1]), jnp.asarray([0]), jnp.asarray([-1.0]))
-    with pytest.raises(TypeError, match="one-axis integer array|parameter .cluster_ids."):
-        replay.set_priorities(jnp.asarray([0.0]), jnp.asarray([0]), good)
+    with pytest.raises(TypeError, match="one-axis integer array|parameter .(cluster_ids|indices)."):
+        replay.set_priorities((jnp.asarray([0.0]), jnp.asarray([0])), good)
     uniform = dx.ClusteredReplay(_uniform(4)[0], 2, label_cluster)
     with pytest.raises(TypeError, match="has no priorities"):
-        uniform.set_priorities(jnp.asarray([0]), jnp.asarray([0]), good)
+        uniform.set_priorities((jnp.asarray([0]), jnp.asarray([0])), good)
 
 
 def test_prioritised_inner_set_priorities_takes_priorities_in_their_own_dtype():
@@ -335,10 +397,10 @@ def test_prioritised_inner_set_priorities_takes_priorities_in_their_own_dtype():
     # converts it; one too large for the inner tree's float32 is refused.
     replay, _ = _prioritised(1.0)
     ids, indices = np.array([0, 1]), np.array([0, 0])
-    replay = replay.set_priorities(ids, indices, np.array([2**32, 2**33], np.int64))
+    replay = replay.set_priorities((ids, indices), np.array([2**32, 2**33], np.int64))
     assert replay.clusters.max_priority.tolist()[:2] == [2.0**32, 2.0**33]
     with pytest.raises(RuntimeError, match="`priorities` holds a finite value too large"):
-        replay.set_priorities(ids, indices, np.array([1e39, 1.0]))
+        replay.set_priorities((ids, indices), np.array([1e39, 1.0]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -543,7 +605,7 @@ def test_prioritised_inner_drops_stale_priority_updates():
     leaves = eqx.filter_vmap(lambda r: r.tree.leaves)  # one row per cluster
     before = np.asarray(leaves(replay.clusters))
     priorities = np.random.default_rng(0).uniform(1, 2, 64).astype(np.float32)
-    update = eqx.filter_jit(lambda r, c, i, p, g: r.set_priorities(c, i, p, generations=g))
+    update = eqx.filter_jit(lambda r, c, i, p, g: r.set_priorities((c, i), p, generations=g))
     after = np.asarray(
         leaves(update(replay, clusters, drawn.indices, priorities, drawn.generations).clusters)
     )
@@ -560,9 +622,38 @@ def test_prioritised_inner_takes_the_deprecated_stamps_with_a_warning():
     drawn = replay.sample(jax.random.key(3), 8)
     clusters = (np.asarray(drawn.items) // 1000).astype(np.int32)
     priorities = jnp.arange(1.0, 9.0)
-    want = replay.set_priorities(clusters, drawn.indices, priorities, generations=drawn.generations)
+    indices = (clusters, drawn.indices)
+    want = replay.set_priorities(indices, priorities, generations=drawn.generations)
     with pytest.warns(DeprecationWarning, match=r"set_priorities\(stamps=...\)` is deprecated"):
-        old = replay.set_priorities(clusters, drawn.indices, priorities, stamps=drawn.generations)
+        old = replay.set_priorities(indices, priorities, stamps=drawn.generations)
     leaves = eqx.filter_vmap(lambda r: r.tree.leaves)
     np.testing.assert_array_equal(leaves(old.clusters), leaves(want.clusters))
     assert not np.array_equal(leaves(old.clusters), leaves(replay.clusters))
+
+
+_leaves = eqx.filter_vmap(lambda r: r.tree.leaves)  # one row per cluster
+
+
+def test_prioritised_inner_takes_the_deprecated_three_argument_form_with_a_warning():
+    # `set_priorities(cluster_ids, indices, priorities)`: the old form of
+    # `set_priorities((cluster_ids, indices), priorities)`, for one release.
+    replay, _ = _prioritised(1.0)
+    drawn = replay.sample(jax.random.key(5), 8)
+    clusters = (np.asarray(drawn.items) // 1000).astype(np.int32)
+    priorities = jnp.arange(1.0, 9.0)
+    want = replay.set_priorities((clusters, drawn.indices), priorities)
+    message = r"set_priorities\(cluster_ids, indices, priorities\)` is deprecated"
+    with pytest.warns(DeprecationWarning, match=message):
+        old = replay.set_priorities(clusters, drawn.indices, priorities)
+    assert_bits_equal(old, want)
+    assert not np.array_equal(_leaves(old.clusters), _leaves(replay.clusters))
+    # With `mask` and `generations` too.
+    mask = np.arange(8) % 2 == 0
+    want = replay.set_priorities(
+        (clusters, drawn.indices), priorities, mask=mask, generations=drawn.generations
+    )
+    with pytest.warns(DeprecationWarning, match=message):
+        old = replay.set_priorities(
+            clusters, drawn.indices, priorities, mask=mask, generations=drawn.generations
+        )
+    assert_bits_equal(old, want)

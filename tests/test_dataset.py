@@ -198,7 +198,7 @@ def _stored_masses(buffers: list, starts: np.ndarray) -> dict:
     dataset whose envs start at `starts`) that held it."""
     out = {}
     for buf in buffers:
-        held = jax.tree.map(np.asarray, buf.window_masses())
+        held = jax.tree.map(np.asarray, buf.window_priorities())
         for e, leaf in zip(*np.nonzero(held.held)):
             if held.start[e, leaf] >= starts[e]:
                 out[int(e), int(held.start[e, leaf])] = np.float32(held.mass[e, leaf])

@@ -96,7 +96,7 @@ def _expected(kind: str, commits: int) -> tuple[np.ndarray, np.ndarray, dict]:
     masses = {}
     if kind == "prioritised":
         for buf in buffers[:commits]:
-            held = jax.tree.map(np.asarray, buf.window_masses())
+            held = jax.tree.map(np.asarray, buf.window_priorities())
             for e, leaf in zip(*np.nonzero(held.held)):
                 if held.start[e, leaf] >= starts[e]:
                     masses[int(e), int(held.start[e, leaf])] = np.float32(held.mass[e, leaf])

@@ -93,7 +93,7 @@ def test_cluster_ids_do_not_wrap(x64):
     for index in _int64_values(x64):
         ids = np.asarray([index]) if isinstance(index, np.integer | int) else index[None]
         with pytest.raises(FAULT, match="a cluster id is outside"):
-            replay.set_priorities(ids, jnp.zeros(1, jnp.int32), jnp.ones(1))
+            replay.set_priorities((ids, jnp.zeros(1, jnp.int32)), jnp.ones(1))
 
 
 def test_cluster_fn_ids_do_not_wrap():

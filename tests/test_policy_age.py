@@ -1,4 +1,4 @@
-"""`sample_by_age` of every buffer against the NumPy models: the support and the frequencies
+"""`sample(..., age=...)` of every buffer against the NumPy models: the support and the frequencies
 (chi-square), the exact probabilities, the importance weights, the errors, and the
 transformations a training loop uses."""
 
@@ -14,6 +14,7 @@ from dejax_eqx._sequences import env_log_weights, Law, start_log_weights
 
 from .helpers import assert_frequencies, assert_tree_equal, to_numpy, unstack
 from .reference import (
+    EmptyBufferError,
     ref_aged,
     ref_aged_weights,
     RefPrioritisedReplay,
@@ -41,11 +42,11 @@ def _age(current, max_age=None, decay=None, *, read=version):
 
 
 # One compiled sampler per buffer type and static configuration, reused across tests.
-_by_age = eqx.filter_jit(lambda b, k, a, n: b.sample_by_age(k, n, a))
-_by_age_beta = eqx.filter_jit(lambda b, k, a, n, beta: b.sample_by_age(k, n, a, beta=beta))
+_by_age = eqx.filter_jit(lambda b, k, a, n: b.sample(k, n, age=a))
+_by_age_beta = eqx.filter_jit(lambda b, k, a, n, beta: b.sample(k, n, age=a, beta=beta))
 _windows_by_age = eqx.filter_jit(
-    lambda b, k, a, n, w, power, source: b.sample_by_age(
-        k, n, a, w, distribution_power=power, source=source
+    lambda b, k, a, n, w, power, source: b.sample(
+        k, n, w, age=a, distribution_power=power, source=source
     )
 )
 
@@ -148,6 +149,68 @@ def test_prioritised_replay_weights_are_those_of_sample_when_nothing_is_excluded
     # The stamps go back to `set_priorities` as those of `sample`.
     new = buf.set_priorities(s.indices, jnp.full(2000, 3.0), generations=s.generations)
     np.testing.assert_allclose(new.tree.leaves[s.indices], 3.0**ALPHA, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# ClusteredReplay: a cluster as its `sample` draws one, among those that hold a young enough
+# item, then an item of it by the inner replay's aged law.
+
+
+def cluster_of(item):
+    return (item["id"] % 5) % 3  # clusters of 15, 15 and 7 of the 37 ids below
+
+
+def _clustered_items(n: int) -> dict:
+    """`_replay_items`, with the versions of cluster 0 in [0, 3]: too old for `current` 12
+    and `max_age` 4, so that cluster 0 holds items and none can be drawn."""
+    items = _replay_items(n)
+    cluster = (items["id"] % 5) % 3
+    items["version"] = np.where(cluster == 0, items["version"] % 4, items["version"])
+    return items
+
+
+@pytest.mark.parametrize("power", [0.0, 1.0])
+def test_clustered_replay_frequencies_and_probabilities(power):
+    max_size, n = 16, 37
+    items = _clustered_items(n)
+    inner = dx.UniformReplay(ITEM, max_size)
+    buf = dx.ClusteredReplay(inner, 3, cluster_of, power).add_batch(items)
+    assert buf.cluster_sizes.tolist() == [15, 15, 7]
+    current, max_age, decay = 12, 4, "inverse"
+    s = _by_age(buf, jax.random.key(3), _age(current, max_age, decay), DRAWS)
+    # Each cluster's ids in the order they were added (no cluster wraps): id -> slot.
+    held = {c: [k for k in range(n) if (k % 5) % 3 == c] for c in range(3)}
+    slot = {k: i for ks in held.values() for i, k in enumerate(ks)}
+    ages = {k: current - int(items["version"][k]) for k in range(n)}
+    within = {}  # per cluster that holds a young enough item: its aged law
+    for c, ks in held.items():
+        try:
+            within[c] = ref_aged(dict.fromkeys(ks, 1.0), ages, max_age, decay)
+        except EmptyBufferError:
+            pass
+    assert sorted(within) == [1, 2]  # cluster 0 holds 15 items, none young enough
+    weights = {c: len(held[c]) ** power for c in within}
+    expected = {
+        k: weights[c] / sum(weights.values()) * p
+        for c, law in within.items()
+        for k, p in law.items()
+    }
+    ids = np.asarray(s.items["id"]).tolist()
+    # Each row names its slot within its cluster, its age and its probability within its
+    # cluster (as a plain sample of a ClusteredReplay does); the weights are 1.
+    assert np.asarray(s.indices).tolist() == [slot[k] for k in ids]
+    assert s.ages.tolist() == [ages[k] for k in ids]
+    np.testing.assert_allclose(s.probabilities, [within[(k % 5) % 3][k] for k in ids], rtol=1e-5)
+    assert (np.asarray(s.weights) == 1).all() and s.generations is None
+    # Chi-square (false-failure rate 1e-6); items too old, and cluster 0, never drawn.
+    assert_frequencies(*_cells(expected, ids), alpha=1e-6)
+
+
+def test_clustered_replay_draws_no_cluster_whose_items_are_all_too_old():
+    items = _clustered_items(37)
+    buf = dx.ClusteredReplay(dx.UniformReplay(ITEM, 16), 3, cluster_of).add_batch(items)
+    with pytest.raises(RuntimeError, match="no cluster holds an item that can be drawn"):
+        _by_age(buf, jax.random.key(0), _age(30, 2), 4)  # every version is at most 12
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,13 +395,16 @@ def test_errors_of_the_replays():
         _by_age(buf, key, _age(7), 4)
     with pytest.raises(RuntimeError, match="older than `max_age`.*no item can be drawn"):
         _by_age(buf, key, _age(12, 3), 4)
-    # Eagerly too, from the caller's line.
-    with pytest.raises(RuntimeError, match="older than `max_age`"):
-        buf.sample_by_age(key, 4, _age(12, 3))
+    # Eagerly too, from the caller's line, quoting the call.
+    with pytest.raises(RuntimeError, match=r"`UniformReplay.sample`: every item .* older than"):
+        buf.sample(key, 4, age=_age(12, 3))
+    # `beta` weighs an aged sample; a plain one has no weights.
+    with pytest.raises(TypeError, match=r"`UniformReplay.sample\(beta=...\)` sets the importance"):
+        buf.sample(key, 4, beta=0.5)
     with pytest.raises(TypeError, match=r"PolicyAge\(version=...\)` must map one item to one int"):
-        buf.sample_by_age(key, 4, _age(12, read=lambda item: item["version"].astype(jnp.float32)))
+        buf.sample(key, 4, age=_age(12, read=lambda item: item["version"].astype(jnp.float32)))
     with pytest.raises(ValueError, match="batch_size"):
-        buf.sample_by_age(key, 0, _age(12))
+        buf.sample(key, 0, age=_age(12))
     replay = dx.PrioritisedReplay(ITEM, 6).add_batch(_replay_items(4))
     replay = replay.set_priorities(jnp.arange(4), jnp.asarray([0.0, 1.0, 0.0, 0.0]))
     with pytest.raises(RuntimeError, match="older than `max_age`.*no item can be drawn"):
@@ -349,6 +415,8 @@ def test_errors_of_the_replays():
     replay = replay.set_priorities(jnp.arange(1), jnp.ones(1))
     with pytest.raises(RuntimeError, match="`beta` must be finite and non-negative"):
         _by_age_beta(replay, key, _age(12), 4, jnp.asarray(-1.0))
+    with pytest.raises(TypeError, match=r"`PrioritisedReplay.sample\(beta=...\)` sets the impo"):
+        replay.sample(key, 4, beta=0.5)
 
 
 def test_errors_of_the_trajectory_buffers():
@@ -383,7 +451,7 @@ def test_a_donated_training_step_updates_the_buffer_in_place():
     @eqx.filter_jit(donate="all-except-first")
     def step(current, buf, items, key):
         buf = buf.add_batch(items)
-        s = buf.sample_by_age(key, 8, _age(current, 3, decay="inverse"))
+        s = buf.sample(key, 8, age=_age(current, 3, decay="inverse"))
         return buf, s
 
     buf = dx.UniformReplay(ITEM, 64).add_batch(_replay_items(10))
@@ -402,7 +470,7 @@ def test_scan_carry_equals_a_python_loop():
         buf, current = carry
         items = {"id": jnp.arange(3, dtype=jnp.int32), "version": jnp.full(3, current)}
         buf = buf.add_batch(items)
-        s = buf.sample_by_age(key, 5, _age(current, 2, decay="inverse"), beta=0.5)
+        s = buf.sample(key, 5, age=_age(current, 2, decay="inverse"), beta=0.5)
         buf = buf.set_priorities(s.indices, s.weights + 0.5, generations=s.generations)
         return (buf, current + 1), s
 

@@ -275,12 +275,13 @@ def test_stamp_of_gives_the_stamps_of_drawn_leaves():
         buf.stamp_of(np.asarray([0, capacity], np.int32))
 
 
-def test_window_masses_round_trip():
+def test_window_priorities_round_trip():
     buf, model = _filled(CONFIGS[0], np.random.default_rng(6))
-    masses = buf.window_masses()
+    masses = buf.window_priorities()
     shape = (buf.num_envs, buf.leaves_per_env)
     assert masses.start.shape == masses.held.shape == masses.mass.shape == shape
     np.testing.assert_array_equal(np.asarray(masses.mass).reshape(-1), buf.tree.leaves)
+    assert float(masses.max_priority) == float(buf.max_priority)
     held = np.asarray(masses.held)
     stamps = {(e, int(masses.start[e, j])) for e, j in zip(*np.nonzero(held))}
     assert stamps == set(model.priorities)
@@ -292,7 +293,7 @@ def test_window_masses_round_trip():
     # back, and with them the same draws. Leaves that hold no window ignore their mass.
     fresh = buf.with_streams(buf.streams)
     garbage = jnp.where(masses.held, masses.mass, 7.0)
-    back = fresh.with_window_masses(garbage, max_priority=buf.max_priority)
+    back = fresh.with_window_priorities(garbage, max_priority=buf.max_priority)
     np.testing.assert_array_equal(back.tree.leaves, buf.tree.leaves)
     np.testing.assert_array_equal(back.tree.total, buf.tree.total)
     assert float(back.max_priority) == float(buf.max_priority)
@@ -300,11 +301,17 @@ def test_window_masses_round_trip():
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(x, y)
     with pytest.raises(ValueError, match=r"`masses` has shape \(3, 2\), expected"):
-        fresh.with_window_masses(np.ones((3, 2), np.float32))
+        fresh.with_window_priorities(np.ones((3, 2), np.float32))
     with pytest.raises(RuntimeError, match="masses must be finite and non-negative"):
-        fresh.with_window_masses(jnp.where(masses.held, -1.0, 0.0))
+        fresh.with_window_priorities(jnp.where(masses.held, -1.0, 0.0))
     with pytest.raises(RuntimeError, match="`max_priority` must be finite and at least 1"):
-        fresh.with_window_masses(masses.mass, max_priority=0.5)
+        fresh.with_window_priorities(masses.mass, max_priority=0.5)
+    # A NaN mass gives its window the mass of `max_priority`, as a new window gets.
+    unknown = fresh.with_window_priorities(
+        jnp.where(masses.held, jnp.nan, 0.0), max_priority=buf.max_priority
+    )
+    top = float(buf.max_priority) ** buf.priority_exponent
+    np.testing.assert_allclose(unknown.tree.leaves, np.where(held.reshape(-1), top, 0.0), rtol=1e-6)
 
 
 def test_with_streams_keeps_the_steps_at_fresh_priorities():
@@ -320,7 +327,7 @@ def test_with_streams_keeps_the_steps_at_fresh_priorities():
     assert fresh.window == buf.window and fresh.priority_exponent == buf.priority_exponent
     # Every window it holds at max_priority 1.0 (mass 1.0 ** alpha), no other leaf.
     assert float(fresh.max_priority) == 1.0
-    held = np.asarray(fresh.window_masses().held).reshape(-1)
+    held = np.asarray(fresh.window_priorities().held).reshape(-1)
     assert int(held.sum()) == int(fresh.num_windows) == len(model.priorities)
     np.testing.assert_array_equal(fresh.tree.leaves, np.where(held, 1.0, 0.0))
     with pytest.raises(ValueError, match="the streams have"):
@@ -352,6 +359,11 @@ def test_deprecated_forms_still_work_with_a_warning():
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(x, y)
     assert not bool(jnp.all(b.sample.mask))  # the episode ends did cut windows
+    # Its new form: a `Window` of the buffer's parts that masks episode ends otherwise.
+    c = old.sample(key, 8, truncate)
+    assert jax.tree.structure(c) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(c), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(x, y)
     with pytest.warns(DeprecationWarning, match="slots_per_env` is deprecated"):
         slots = old.slots_per_env
     assert slots == old.leaves_per_env == 4
@@ -359,6 +371,46 @@ def test_deprecated_forms_still_work_with_a_warning():
     for name, value in [("sequence_length", 2), ("burn_in", 1), ("bootstrap", 1), ("period", 2)]:
         with pytest.warns(DeprecationWarning, match=f"{name}` is deprecated; read `window"):
             assert getattr(old, name) == value == getattr(old.window, name)
+
+
+def test_sample_masks_by_a_window_of_the_same_parts():
+    # `sample(key, b, what)`: `what` a `Window` of the buffer's parts (sequence_length, burn_in,
+    # bootstrap, period, strict) that masks episode ends otherwise; the same windows drawn.
+    parts = dict(burn_in=1, bootstrap=1, period=2, strict=True)
+    buf = dx.PrioritisedTrajectoryBuffer(DONE_STEP, 2, 8, dx.Window(2, **parts))
+    buf = buf.extend(
+        {
+            "pos": np.broadcast_to(np.arange(10, dtype=np.int32), (2, 10)),
+            "done": np.broadcast_to(np.arange(10) % 3 == 2, (2, 10)),
+        }
+    )
+    key = jax.random.key(1)
+    plain = buf.sample(key, 16)
+    for ends in ["truncate", "within"]:
+        window = dx.Window(2, **parts, episode_ends=ends, done="done")
+        masked = eqx.filter_jit(lambda b, k, w: b.sample(k, 16, w))(buf, key, window)
+        # The same draws: stamps, leaves, probabilities and weights; only the masks differ,
+        # and the steps they cut are zeros.
+        np.testing.assert_array_equal(masked.sample.env, plain.sample.env)
+        np.testing.assert_array_equal(masked.sample.start, plain.sample.start)
+        for x, y in zip(masked[1:], plain[1:]):
+            np.testing.assert_array_equal(x, y)
+        mask = np.asarray(masked.sample.mask)
+        assert bool(jnp.all(plain.sample.mask)) and not mask.all()  # the ends did cut windows
+        for x, y in zip(jax.tree.leaves(masked.sample.items), jax.tree.leaves(plain.sample.items)):
+            np.testing.assert_array_equal(x, np.where(mask, y, 0).astype(y.dtype))
+        np.testing.assert_array_equal(masked.sample.learn, plain.sample.learn & mask)
+    # The buffer's own window as `what` is the plain sample.
+    same = buf.sample(key, 16, buf.window)
+    for x, y in zip(jax.tree.leaves(same), jax.tree.leaves(plain)):
+        np.testing.assert_array_equal(x, y)
+    # Other parts, or not a `Window`, are refused at once.
+    with pytest.raises(ValueError, match=r"may mask them otherwise .* but not change them"):
+        buf.sample(key, 4, dx.Window(3, burn_in=1, bootstrap=1, period=2, strict=True))
+    with pytest.raises(ValueError, match=r"may mask them otherwise .* but not change them"):
+        buf.sample(key, 4, dx.Window(2, burn_in=1, bootstrap=1, period=1, strict=True))
+    with pytest.raises(TypeError, match="`what` must be None or a `dx.Window`"):
+        buf.sample(key, 4, dx.NStep(1, reward="pos", terminated="done"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -407,23 +459,23 @@ def test_priorities_masses_and_beta_are_not_wrapped():
     ids, starts = np.array([0, 1], np.int32), np.array([0, 1], np.int32)
     big = buf.set_priorities(ids, starts, np.array([2**32, 1], np.int64))
     assert float(big.max_priority) == 2.0**32  # not the int32 0
-    masses = big.window_masses()
+    masses = big.window_priorities()
     assert float(masses.mass[0, 0]) == pytest.approx((2.0**32) ** ALPHA, rel=1e-6)
     # beta = 2**32 (not 0, which would make every weight 1): the heavier windows weigh 0.
     two = buf.set_priorities(ids, starts, np.array([2, 2], np.int64))
     w = np.asarray(two.sample(jax.random.key(1), 64, beta=np.int64(2**32)).weights)
     assert set(w.tolist()) == {0.0, 1.0}
-    # with_window_masses: int64 masses and max_priority, each in its own dtype.
+    # with_window_priorities: int64 masses and max_priority, each in its own dtype.
     m = np.where(np.asarray(masses.held), 1, 0).astype(np.int64)
     m[0, 0] = 2**32
-    back = buf.with_window_masses(m, max_priority=np.int64(2**32 + 5))
+    back = buf.with_window_priorities(m, max_priority=np.int64(2**32 + 5))
     assert float(back.tree.leaves[0]) == 2.0**32
     assert float(back.max_priority) == float(np.float32(2**32 + 5))
-    call = "`PrioritisedTrajectoryBuffer.with_window_masses`"
+    call = "`PrioritisedTrajectoryBuffer.with_window_priorities`"
     with pytest.raises(RuntimeError, match=re.escape(f"{call}: `masses` holds a finite value")):
-        buf.with_window_masses(np.where(m > 0, 1e39, 0.0))
+        buf.with_window_priorities(np.where(m > 0, 1e39, 0.0))
     with pytest.raises(RuntimeError, match=re.escape(f"{call}: `max_priority` holds a finite")):
-        buf.with_window_masses(masses.mass, max_priority=10**400)
+        buf.with_window_priorities(masses.mass, max_priority=10**400)
     with pytest.raises(RuntimeError, match="`PrioritisedTrajectoryBuffer.set_priorities`: `pri"):
         buf.set_priorities(ids, starts, np.array([1e39, 1.0]))
     with pytest.raises(RuntimeError, match=re.escape("`PrioritisedTrajectoryBuffer.sample`: `b")):

@@ -126,3 +126,21 @@ def test_extend_checks_its_ids_and_shapes():
         buf.extend(jax.tree.map(lambda x: jnp.zeros(2, x.dtype), PROTOTYPE))
     with pytest.raises(ValueError, match="steps for every env"):
         buf.extend(steps)
+
+
+def test_a_queue_is_popped_and_a_trajectory_buffer_sampled():
+    # Every trajectory buffer has the same surface; the calls that do not apply to one refuse
+    # at once, naming the call and the one to use.
+    queue = dx.TrajectoryQueue(PROTOTYPE, NUM_ENVS, MAX_LENGTH)
+    key, window = jax.random.key(0), dx.Window(2)
+    with pytest.raises(TypeError, match=r"`TrajectoryQueue.sample`: .* read it with `pop`"):
+        queue.sample(key, 4, window)
+    with pytest.raises(TypeError, match=r"`TrajectoryQueue.read`: .* does not read windows"):
+        queue.read(np.zeros(1, np.int32), np.zeros(1, np.int32), window)
+    with pytest.raises(TypeError, match=r"`TrajectoryQueue.set_priorities`: .* no priorities"):
+        queue.set_priorities(np.zeros(1, np.int32), np.zeros(1, np.int32), jnp.ones(1))
+    buf = dx.TrajectoryBuffer(PROTOTYPE, NUM_ENVS, MAX_LENGTH)
+    with pytest.raises(TypeError, match=r"`TrajectoryBuffer.pop`: .* sampled \(`sample`\)"):
+        buf.pop(2)
+    with pytest.raises(TypeError, match=r"`TrajectoryBuffer.can_pop`: .* sampled \(`sample`\)"):
+        buf.can_pop(2)

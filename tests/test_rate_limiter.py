@@ -577,9 +577,10 @@ def _replay_ops(limited, buf, key, kind):
     limited, got = limited.sample(key, 8)
     want = buf.sample(key, 8)
     if kind != "uniform":
-        slots = (jnp.asarray([0, 1]),) * (1 if kind == "prioritised" else 2)
-        limited = limited.set_priorities(*slots, jnp.full(2, 0.5))
-        buf = buf.set_priorities(*slots, jnp.full(2, 0.5))
+        slots = jnp.asarray([0, 1])
+        names = slots if kind == "prioritised" else (slots, slots)
+        limited = limited.set_priorities(names, jnp.full(2, 0.5))
+        buf = buf.set_priorities(names, jnp.full(2, 0.5))
     return limited, buf, got, want, counted
 
 
@@ -591,8 +592,9 @@ def test_rate_limited_replays_count_and_sample_as_the_bare_replay(kind):
     assert counted.counts() == (1 + 4 + 5, 0)  # add, then the masked batch's 4, then 5
     assert limited.limiter.counts() == (10, 8)  # and 8 rows; `set_priorities` counts nothing
     assert tree_equal(got, want) and tree_equal(limited.buffer, buf)
-    with pytest.raises(TypeError, match="`RateLimited.extend`: a .* has no such method; use"):
-        limited.extend(_items(1, 2))
+    # A rate-limited replay is a replay, and a replay has no `extend`.
+    assert isinstance(limited, dx.AbstractReplay) and isinstance(limited, RateLimited)
+    assert not hasattr(limited, "extend")
 
 
 def _trajectory_ops(limited, buf, key):
@@ -605,13 +607,14 @@ def _trajectory_ops(limited, buf, key):
     counted = limited.limiter
     nstep = dx.NStep(2, reward="reward", terminated="done")
     limited, got_windows = limited.sample(key, 5, dx.Window(3))
-    limited, got_mixed = limited.sample_mixed(key, 4, 2, dx.Window(2))
-    limited, got_transitions = limited.sample_transitions(key, 6, nstep, discount=0.9)
+    mixed = {"replay": 4, "online": 2}
+    limited, got_mixed = limited.sample(key, 6, dx.Window(2), source=mixed)
+    limited, got_transitions = limited.sample(key, 6, nstep, discount=0.9)
     got = (got_windows, got_mixed, got_transitions)
     want = (
         buf.sample(key, 5, dx.Window(3)),
-        buf.sample_mixed(key, 4, 2, dx.Window(2)),
-        buf.sample_transitions(key, 6, nstep, discount=0.9),
+        buf.sample(key, 6, dx.Window(2), source=mixed),
+        buf.sample(key, 6, nstep, discount=0.9),
     )
     return limited, buf, got, want, counted
 
@@ -623,9 +626,10 @@ def test_rate_limited_trajectory_buffer_counts_steps_and_rows():
     assert counted.counts() == (2 + 3 + 12 + 2, 0)  # steps: 1 per listed env, envs * T
     assert limited.limiter.counts() == (19, 5 + 6 + 6)  # rows
     assert tree_equal(got, want) and tree_equal(limited.buffer, buf)
-    with pytest.raises(TypeError, match="`RateLimited.add_batch`: a TrajectoryBuffer has no"):
-        limited.add_batch(_items(2))
-    with pytest.raises(TypeError, match="`RateLimited.pop`: a TrajectoryBuffer has no such"):
+    # A rate-limited trajectory buffer is a trajectory buffer: no `add_batch`, and `pop` only
+    # for a queue, refused as the buffer refuses it.
+    assert isinstance(limited, dx.AbstractTrajectoryBuffer) and not hasattr(limited, "add_batch")
+    with pytest.raises(TypeError, match="`TrajectoryBuffer.pop`: a TrajectoryBuffer is sampled"):
         limited.pop(2)
 
 
@@ -654,18 +658,18 @@ def test_rate_limited_prioritised_trajectory_buffer_and_queue():
     limited, buf, got, want = run(RateLimited(buf, _unlimited()), buf, key)
     assert tree_equal(got, want) and tree_equal(limited.buffer, buf)
     assert limited.limiter.counts() == (10, 4)
-    with pytest.raises(TypeError, match="`RateLimited.sample_mixed`: a PrioritisedTrajectory"):
-        limited.sample_mixed(key, 1, 1, dx.Window(2))
+    with pytest.raises(TypeError, match=r"`PrioritisedTrajectoryBuffer.sample\(source=...\)`: a "):
+        limited.sample(key, 2, source={"replay": 1, "online": 1})
 
     queue = dx.TrajectoryQueue(ITEM, num_envs=3, max_length=6)
     limiter = RateLimiter.queue(12, insert_batch_size=9, sample_batch_size=3)
     limited, queue, items, want = eqx.filter_jit(_queue_ops)(RateLimited(queue, limiter), queue)
     assert tree_equal(items, want) and tree_equal(limited.buffer, queue)
     assert limited.limiter.counts() == (9, 3)  # 3 envs * 3 steps; one row per env
-    with pytest.raises(TypeError, match="`RateLimited.sample`: a TrajectoryQueue has no such"):
+    with pytest.raises(TypeError, match="`TrajectoryQueue.sample`: a TrajectoryQueue is not samp"):
         limited.sample(key, 1)
-    with pytest.raises(TypeError, match="`RateLimited.set_priorities`: a TrajectoryQueue"):
-        limited.set_priorities(jnp.zeros(1, jnp.int32), jnp.ones(1))
+    with pytest.raises(TypeError, match="`TrajectoryQueue.set_priorities`: a TrajectoryQueue"):
+        limited.set_priorities(jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32), jnp.ones(1))
 
 
 def test_rate_limited_enforces_the_law_and_its_capacity():
@@ -742,7 +746,7 @@ def test_dataset_keeps_the_counts_of_a_rate_limited_buffer(tmp_path):
     plain = ds.load(dx.TrajectoryBuffer(ITEM, 2, 6))
     ds.write(plain.extend(_items(2, 1)))
     assert "limiter" not in json.loads((tmp_path / "d" / "manifest.json").read_text())
-    with pytest.raises(ValueError, match="`Dataset.load`: `like` is a RateLimited, but the data"):
+    with pytest.raises(ValueError, match="`RateLimited.with_counts`: no counts were kept"):
         ds.load(like)
     assert int(ds.load(like.buffer).step_count.sum()) == 12
 

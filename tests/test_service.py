@@ -195,7 +195,8 @@ def test_trajectory_buffer_from_envpool_like_subsets():
                     if len(windows) % 2:
                         out = service.sample(sub, rows, dx.Window(4), timeout=JOIN)
                     else:
-                        out = service.sample_mixed(sub, 2, 2, dx.Window(4), timeout=JOIN)
+                        mixed = {"replay": 2, "online": 2}
+                        out = service.sample(sub, 4, dx.Window(4), source=mixed, timeout=JOIN)
                 except WaitCannotEnd:
                     return
                 windows.append(out)
@@ -354,7 +355,7 @@ def test_faults_roll_back():
         # Trace time: nothing has run, nothing is lost.
         with pytest.raises((TypeError, ValueError), match="TrajectoryBuffer.add"):
             service.add({"env": np.zeros((1, 2), np.int32), "t": steps["t"]}, np.array([1]))
-        with pytest.raises(ValueError, match="TrajectoryBuffer.sample"):
+        with pytest.raises(ValueError, match="`ReplayService.sample`: a window of .* is longer than max_length"):
             service.sample(jax.random.key(0), 1, dx.Window(9))  # longer than max_length
         assert service.counts() == (1, 0)
         service.sample(jax.random.key(0), 1, dx.Window(1))
@@ -408,7 +409,7 @@ def test_sizes_and_kinds_checked_at_the_door():
     service.close()
     queue = dx.TrajectoryQueue(STEP, num_envs=2, max_length=4)
     service = ReplayService(RateLimited(queue, RateLimiter.min_size(1)))
-    with pytest.raises(TypeError, match="TrajectoryQueue is read by `pop`"):
+    with pytest.raises(TypeError, match="a TrajectoryQueue is not sampled; read it with `pop`"):
         service.sample(jax.random.key(0), 1)
     with pytest.raises(TypeError, match="a trajectory buffer takes `add` and `extend`"):
         service.add_batch(items(0, 0, 1))
@@ -483,11 +484,12 @@ def test_sample_methods():
     for k in range(2):
         service.add_batch(items(0, 2 * k, 2))
     age = PolicyAge(_seq, current=3, max_age=1)
-    out = service.sample(jax.random.key(0), 2, age, method="sample_by_age")
+    out = service.sample(jax.random.key(0), 2, age=age)
     assert (np.asarray(out.items["seq"]) >= 2).all() and (np.asarray(out.ages) <= 1).all()
     assert service.counts() == (4, 2)
-    with pytest.raises(ValueError, match="sample_transitions"):
-        service.sample(jax.random.key(0), 2, method="sample_later")
+    # A replay's `sample` takes `age` and `beta` only: refused before anything is counted.
+    with pytest.raises(TypeError, match="`ReplayService.sample`: a replay's `sample` takes"):
+        service.sample(jax.random.key(0), 2, dx.Window(2))
     assert service.counts() == (4, 2)
     service.close()
     limiter = RateLimiter(1, 1, None, None, insert_batch_size=2)  # no bound
@@ -497,7 +499,7 @@ def test_sample_methods():
         steps = {"env": np.arange(2, dtype=np.int32), "t": np.full(2, t, np.int32)}
         service.add(steps | {"r": np.ones(2, np.float32), "d": np.zeros(2, bool)})
     nstep = dx.NStep(1, reward="r", terminated="d")
-    out = service.sample(jax.random.key(1), 1, nstep, discount=0.9, method="sample_transitions")
+    out = service.sample(jax.random.key(1), 1, nstep, discount=0.9)
     assert np.asarray(out.returns).tolist() == [1.0]
     assert service.counts() == (6, 1)
     service.close()

@@ -67,9 +67,12 @@ def _sample(buf, key, window, power, source):
     return buf.sample(key, BATCH, window, distribution_power=power, source=source)
 
 
+MIXED = {"replay": 5, "online": 3}  # the rows of each source, replay rows first
+
+
 @eqx.filter_jit
 def _sample_mixed(buf, key, window, power):
-    return buf.sample_mixed(key, 5, 3, window, power)
+    return buf.sample(key, 8, window, distribution_power=power, source=MIXED)
 
 
 def _episode_end(step):
@@ -108,7 +111,7 @@ NSTEPS = {n: dx.NStep(n, reward="reward", terminated=_episode_end) for n in (1, 
 
 @eqx.filter_jit
 def _sample_transitions(buf, key, n, source):
-    return buf.sample_transitions(key, BATCH, NSTEPS[n], discount=0.5, source=source)
+    return buf.sample(key, BATCH, NSTEPS[n], discount=0.5, source=source)
 
 
 def stored_windows(buf: dx.TrajectoryBuffer, source: str = "replay") -> list:
@@ -469,9 +472,12 @@ def test_frequency_test_detects_a_wrong_power(stats_buffer):
 def test_sample_mixed_rows_follow_their_sources(stats_buffer):
     buf, model, added = stats_buffer
     n = STATS_DRAWS // 2
-    seqs, mask, *_ = eqx.filter_jit(lambda b, k: b.sample_mixed(k, n, n, STATS_WINDOWS[5], 2.0))(
-        buf, jax.random.key(3)
+    mixed = eqx.filter_jit(
+        lambda b, k: b.sample(
+            k, 2 * n, STATS_WINDOWS[5], distribution_power=2.0, source={"replay": n, "online": n}
+        )
     )
+    seqs, mask, *_ = mixed(buf, jax.random.key(3))
     for source, rows in [("replay", slice(0, n)), ("online", slice(n, 2 * n))]:
         part = jax.tree.map(lambda x: x[rows], (seqs, mask))
         env, offset = _decode(*part, model, added, 5, source)
@@ -608,17 +614,25 @@ def test_sample_static_errors():
         buf.sample(key, 3, TWO, source="both")  # pyright: ignore[reportArgumentType]
     with pytest.raises(Exception, match="must be a scalar|parameter 'distribution_power'"):
         buf.sample(key, 3, TWO, distribution_power=jnp.ones(2))
-    with pytest.raises(ValueError, match="both 0"):
-        buf.sample_mixed(key, 0, 0, TWO)
-    with pytest.raises(ValueError, match=r"online_batch_size=...\)` must be non-negative"):
-        buf.sample_mixed(key, 2, -1, TWO)
+    with pytest.raises(ValueError, match=r"sample\(batch_size=...\)` must be positive"):
+        buf.sample(key, 0, TWO, source={"replay": 0, "online": 0})
+    with pytest.raises(ValueError, match=r"sample\(source\['online'\]=...\)` must be non-neg"):
+        buf.sample(key, 1, TWO, source={"replay": 2, "online": -1})
+    with pytest.raises(
+        ValueError, match=r"the batch has 3 rows, but its sources give 4 \(2 \+ 2\)"
+    ):
+        buf.sample(key, 3, TWO, source={"replay": 2, "online": 2})
+    with pytest.raises(ValueError, match="a mapping of sources names both"):
+        buf.sample(key, 3, TWO, source={"replay": 3})
     with pytest.raises(Exception, match="must be one of|parameter 'source'"):
         buf.lengths("all")  # pyright: ignore[reportArgumentType]
 
 
 def test_sample_runtime_errors():
     sample = eqx.filter_jit(lambda b, k, p, s: b.sample(k, 3, TWO, distribution_power=p, source=s))
-    mixed = eqx.filter_jit(lambda b, k, r, o: b.sample_mixed(k, r, o, TWO))
+    mixed = eqx.filter_jit(
+        lambda b, k, r, o: b.sample(k, r + o, TWO, source={"replay": r, "online": o})
+    )
     key = jax.random.key(0)
     empty = dx.TrajectoryBuffer(STEP, 2, 4)
     with pytest.raises(RuntimeError, match="empty TrajectoryBuffer: no env has any stored step"):
@@ -630,12 +644,12 @@ def test_sample_runtime_errors():
     for bad in [jnp.nan, jnp.inf, -jnp.inf]:
         with pytest.raises(RuntimeError, match="`distribution_power` must be finite"):
             sample(buf, key, jnp.asarray(bad), "replay")
-    with pytest.raises(RuntimeError, match="sample_mixed`: cannot sample from an empty online"):
+    with pytest.raises(RuntimeError, match="sample`: cannot sample from an empty online"):
         mixed(buf, key, 2, 1)
     # A part of size zero is not sampled, so its source may be empty.
     seqs, mask, *_ = mixed(buf, key, 2, 0)
     assert mask.shape == (2, 2) and bool(mask[:, 0].all())
-    with pytest.raises(RuntimeError, match="sample_mixed`: cannot sample from an empty Traj"):
+    with pytest.raises(RuntimeError, match="sample`: cannot sample from an empty Traj"):
         mixed(empty, key, 1, 0)
 
 
@@ -687,24 +701,22 @@ def test_power_and_discount_are_not_wrapped():
     huge = np.int64(2**32 + 2)
     # A power of 2**32 draws only the windows of the most real steps (3, from starts 0..2).
     assert buf.sample(key, 256, THREE, distribution_power=huge).mask.all()
-    assert buf.sample_mixed(key, 128, 128, THREE, huge).mask.all()
+    mixed = {"replay": 128, "online": 128}
+    assert buf.sample(key, 256, THREE, distribution_power=huge, source=mixed).mask.all()
     assert not buf.sample(key, 256, THREE, distribution_power=np.int64(2)).mask.all()
     nstep = dx.NStep(2, reward="r", terminated="done")
     for discount in [np.int64(2**32 + 1), np.array(2**32 + 1, np.int64)]:
         with pytest.raises(RuntimeError, match=r"`discount` must be in \[0, 1\]"):
-            buf.sample_transitions(key, 4, nstep, discount=discount)
-    out = buf.sample_transitions(key, 4, nstep, discount=np.int64(1))
+            buf.sample(key, 4, nstep, discount=discount)
+    out = buf.sample(key, 4, nstep, discount=np.int64(1))
     assert out.discount.dtype == jnp.float32
-    for call, run in [
-        ("sample", lambda p: buf.sample(key, 4, THREE, distribution_power=p)),
-        ("sample_mixed", lambda p: buf.sample_mixed(key, 2, 2, THREE, p)),
-    ]:
-        msg = re.escape(f"`TrajectoryBuffer.{call}`: `distribution_power` holds a finite value")
+    for source in [None, {"replay": 2, "online": 2}]:  # one source, and both
+        msg = re.escape("`TrajectoryBuffer.sample`: `distribution_power` holds a finite value")
         for power in [10**400, np.float64(1e39)]:  # 10**400: JAX's OverflowError named nothing
             with pytest.raises(RuntimeError, match=msg):
-                run(power)
+                buf.sample(key, 4, THREE, distribution_power=power, source=source)
     with pytest.raises(RuntimeError, match=re.escape("`discount` holds a finite value too")):
-        buf.sample_transitions(key, 4, nstep, discount=-(10**400))
+        buf.sample(key, 4, nstep, discount=-(10**400))
 
 
 def test_restore_checks_counts_in_their_own_dtype():
@@ -781,7 +793,9 @@ def test_vmap_errors():
 
 # A window with every part and an episode-end policy, built once.
 READ_WINDOW = dx.Window(2, burn_in=1, bootstrap=1, episode_ends="within", done=_episode_end)
-_sample_mixed_read = eqx.filter_jit(lambda b, k: b.sample_mixed(k, 8, 8, READ_WINDOW))
+_sample_mixed_read = eqx.filter_jit(
+    lambda b, k: b.sample(k, 16, READ_WINDOW, source={"replay": 8, "online": 8})
+)
 _read = eqx.filter_jit(lambda b, e, s: b.read(e, s, READ_WINDOW))
 
 
@@ -813,6 +827,45 @@ def test_read_returns_what_sample_returned():
     assert stale.any() and not stale.all()
     with pytest.raises(RuntimeError, match="TrajectoryBuffer.read`: a window is stale"):
         _read(buf, *sample.stamp)
+
+
+def test_mask_checks_and_answers_only_the_entries_it_holds():
+    # `peek`, `stale` and `read` take `mask=`: an entry where it is False is not checked (an
+    # env id out of range, an env without steps, a stale window), and `stale` answers False.
+    peek = eqx.filter_jit(lambda b, i, m: b.peek(i, mask=m))
+    buf = dx.TrajectoryBuffer(STEP, 3, 2)
+    buf = buf.add(_steps(2, 1.0), env_ids=_ids(0, 2))
+    buf = buf.add(_steps(1, 2.0), env_ids=_ids(2))
+    ids, mask = _ids(2, 1, 0, 3), np.asarray([True, False, True, False])
+    for run in [peek, lambda b, i, m: b.peek(i, mask=m)]:  # under jit and eagerly
+        got = run(buf, ids, mask)
+        assert got["obs"][mask, 0].tolist() == buf.peek(_ids(2, 0))["obs"][:, 0].tolist()
+        for bad in [np.asarray([False, True, True, False]), np.asarray([True, False, True, True])]:
+            with pytest.raises(RuntimeError, match="no stored step yet|out of range"):
+                run(buf, ids, bad)
+    assert_tree_equal(peek(buf, _ids(0, 2), np.ones(2, bool)), buf.peek(_ids(0, 2)))
+    # Env 2 has taken 2 steps in 2 slots; a third drops step 0.
+    buf = buf.add(_steps(1, 3.0), env_ids=_ids(2))
+    env, start = _ids(2, 2, 1, 0), _ids(0, 1, 5, 0)
+    stale = eqx.filter_jit(lambda b, e, s, m: b.stale(e, s, mask=m))
+    keep = np.asarray([True, True, False, True])
+    assert stale(buf, env, start, keep).tolist() == [True, False, False, False]
+    assert stale(buf, env, start, np.asarray([False, True, False, True])).tolist() == [False] * 4
+    with pytest.raises(RuntimeError, match="not a step of its env"):
+        stale(buf, env, start, np.ones(4, bool))  # env 1 has taken no step
+    with pytest.raises(RuntimeError, match="out of range"):
+        stale(buf, _ids(3, 2), _ids(0, 1), np.asarray([True, True]))
+    assert stale(buf, _ids(3, 2), _ids(0, 1), np.asarray([False, True])).tolist() == [False] * 2
+    read = eqx.filter_jit(lambda b, e, s, m: b.read(e, s, TWO, mask=m))
+    fresh = np.asarray([False, True, False, True])  # the windows that are not stale
+    got = read(buf, env, start, fresh)
+    want = buf.read(env[fresh], start[fresh], TWO)
+    assert _bits(jax.tree.map(lambda x: x[fresh], got)) == _bits(want)
+    for bad in [keep, np.ones(4, bool)]:  # a stale window, an env without steps
+        with pytest.raises(RuntimeError, match="a window is stale|not a step of its env"):
+            read(buf, env, start, bad)
+    with pytest.raises(Exception, match="`mask` has shape|parameter 'mask'"):
+        buf.stale(env, start, mask=np.ones(3, bool))
 
 
 def test_with_streams_keeps_the_steps_and_empties_the_online_queue():
@@ -849,25 +902,87 @@ def test_sample_old_form_is_deprecated():
     with pytest.warns(DeprecationWarning, match=r"pass `dx.Window\(2, ...\)`"):
         old = buf.sample(key, 3, 2, burn_in=1, period=2)
     assert _bits(old) == _bits(buf.sample(key, 3, window))
-    with pytest.warns(DeprecationWarning, match=r"pass `dx.Window\(2, ...\)`"):
-        old = buf.sample_mixed(key, 2, 1, 2, 1.0, burn_in=1, period=2)
-    assert _bits(old) == _bits(buf.sample_mixed(key, 2, 1, window, 1.0))
     # With a `Window`, its options go into it.
     with pytest.raises(TypeError, match="are options of the `Window`"):
         buf.sample(key, 3, window, burn_in=1)
 
 
-def test_sample_transitions_old_form_is_deprecated():
+SAMPLE_MIXED_IS_DEPRECATED = r"`TrajectoryBuffer.sample_mixed` is deprecated; use `sample\("
+
+
+def test_sample_mixed_is_deprecated():
+    # `sample_mixed(key, r, o, window, power)`: the old form of `sample(key, r + o, window,
+    # distribution_power=power, source={"replay": r, "online": o})`, the same draws bit for bit.
+    buf = _add(_three_steps(), _steps(1, 7.0), _ids(1))
+    key = jax.random.key(0)
+    window = dx.Window(2, burn_in=1, period=2)
+    for r, o, power in [(2, 1, 1.0), (3, 0, 0.5), (0, 2, 2.0)]:
+        new = buf.sample(key, r + o, window, distribution_power=power, source=_mixed(r, o))
+        with pytest.warns(DeprecationWarning, match=SAMPLE_MIXED_IS_DEPRECATED):
+            old = buf.sample_mixed(key, r, o, window, power)
+        assert _bits(old) == _bits(new)
+    # Its default power is 1, as `sample`'s.
+    with pytest.warns(DeprecationWarning, match=SAMPLE_MIXED_IS_DEPRECATED):
+        old = buf.sample_mixed(key, 2, 1, window)
+    assert _bits(old) == _bits(buf.sample(key, 3, window, source=_mixed(2, 1)))
+    # The old window options as keywords: two warnings, the same windows.
+    with pytest.warns(DeprecationWarning, match=SAMPLE_MIXED_IS_DEPRECATED):
+        with pytest.warns(DeprecationWarning, match=r"pass `dx.Window\(2, ...\)`"):
+            old = buf.sample_mixed(key, 2, 1, 2, 1.0, burn_in=1, period=2)
+    assert _bits(old) == _bits(buf.sample(key, 3, window, source=_mixed(2, 1)))
+    # Its static errors, and its run-time errors as those of `sample` (a source of 0 rows is
+    # not drawn from, so its source may be empty).
+    with pytest.warns(DeprecationWarning, match=SAMPLE_MIXED_IS_DEPRECATED):
+        with pytest.raises(ValueError, match=r"online_batch_size=...\)` must be non-negative"):
+            buf.sample_mixed(key, 2, -1, TWO)
+    with pytest.warns(DeprecationWarning, match=SAMPLE_MIXED_IS_DEPRECATED):
+        with pytest.raises(ValueError, match="must be positive"):
+            buf.sample_mixed(key, 0, 0, TWO)
+    empty = _reset(buf)
+    with pytest.warns(DeprecationWarning, match=SAMPLE_MIXED_IS_DEPRECATED):
+        with pytest.raises(
+            RuntimeError, match="`TrajectoryBuffer.sample`: cannot sample from an empty online"
+        ):
+            empty.sample_mixed(key, 2, 1, TWO)
+    with pytest.warns(DeprecationWarning, match=SAMPLE_MIXED_IS_DEPRECATED):
+        old = empty.sample_mixed(key, 2, 0, TWO)
+    assert _bits(old) == _bits(empty.sample(key, 2, TWO, source=_mixed(2, 0)))
+
+
+def _mixed(replay: int, online: int) -> dict:
+    return {"replay": replay, "online": online}
+
+
+def test_sample_transitions_is_deprecated():
+    # `sample_transitions(key, b, nstep, discount=..., source=...)`: the old form of
+    # `sample(key, b, nstep, discount=..., source=...)`, the same transitions bit for bit.
     buf = dx.TrajectoryBuffer({"reward": jnp.zeros(()), "done": jnp.zeros((), jnp.bool_)}, 2, 4)
     rewards = jnp.arange(6, dtype=jnp.float32).reshape(2, 3)
     buf = buf.extend({"reward": rewards, "done": jnp.asarray([[0, 1, 0], [0, 0, 0]], bool)})
     key = jax.random.key(0)
     nstep = dx.NStep(2, reward="reward", terminated="done")
-    with pytest.warns(DeprecationWarning, match=r"pass `dx.NStep\(2, "):
-        old = buf.sample_transitions(key, 3, 2, discount=0.5, reward="reward", terminated="done")
-    assert _bits(old) == _bits(buf.sample_transitions(key, 3, nstep, discount=0.5))
-    with pytest.raises(TypeError, match="are options of the `NStep`"):
-        buf.sample_transitions(key, 3, nstep, discount=0.5, terminated="done")
+    deprecated = r"`TrajectoryBuffer.sample_transitions` is deprecated; use `sample\("
+    for source in ["replay", "online"]:
+        new = buf.sample(key, 3, nstep, discount=0.5, source=source)
+        with pytest.warns(DeprecationWarning, match=deprecated):
+            old = buf.sample_transitions(key, 3, nstep, discount=0.5, source=source)
+        assert _bits(old) == _bits(new)
+    # The older form still: an int and the leaves as keywords, with two warnings.
+    with pytest.warns(DeprecationWarning, match=deprecated):
+        with pytest.warns(DeprecationWarning, match=r"pass `dx.NStep\(2, "):
+            old = buf.sample_transitions(
+                key, 3, 2, discount=0.5, reward="reward", terminated="done"
+            )
+    assert _bits(old) == _bits(buf.sample(key, 3, nstep, discount=0.5))
+    with pytest.warns(DeprecationWarning, match=deprecated):
+        with pytest.raises(TypeError, match="are options of the `NStep`"):
+            buf.sample_transitions(key, 3, nstep, discount=0.5, terminated="done")
+    # Its errors quote `sample`.
+    with pytest.warns(DeprecationWarning, match=deprecated):
+        with pytest.raises(
+            RuntimeError, match=r"`TrajectoryBuffer.sample`: `discount` must be in \[0, 1\]"
+        ):
+            buf.sample_transitions(key, 3, nstep, discount=1.5)
 
 
 def test_overwritten_is_deprecated():

@@ -246,7 +246,7 @@ NSTEPS = {
 
 @eqx.filter_jit
 def _transitions(buf, key, gamma, n, truncated):
-    return buf.sample_transitions(key, 4096, NSTEPS[n, truncated], discount=gamma)
+    return buf.sample(key, 4096, NSTEPS[n, truncated], discount=gamma)
 
 
 @pytest.mark.parametrize("n, truncated", [(n, "truncated") for n in N_STEPS] + [(3, None)], ids=str)
@@ -363,9 +363,9 @@ def test_window_static_errors():
         sample(
             key, 3, dx.Window(2, episode_ends="within", done=lambda s: s["done"] & s["truncated"])
         )
-    transitions = buf.sample_transitions
+    transitions = buf.sample
     leaves = {"reward": "reward", "terminated": "terminated"}
-    call = "`TrajectoryBuffer.sample_transitions`: "
+    call = "`TrajectoryBuffer.sample`: "
     with pytest.raises(ValueError, match=r"reads n \+ 1 = 7 steps, more than max_length = 6"):
         transitions(key, 3, dx.NStep(6, **leaves), discount=0.9)
     with pytest.raises(
@@ -399,7 +399,7 @@ def test_window_runtime_errors():
         sample(buf, key, dx.Window(2, burn_in=3))
     with pytest.raises(RuntimeError, match="a multiple of period = 5"):
         sample(buf, key, dx.Window(2, period=5, strict=True, burn_in=2))
-    transitions = eqx.filter_jit(lambda b, k, n, g: b.sample_transitions(k, 3, n, discount=g))
+    transitions = eqx.filter_jit(lambda b, k, n, g: b.sample(k, 3, n, discount=g))
     leaves = {"reward": "reward", "terminated": "terminated"}
     three, two = dx.NStep(3, **leaves), dx.NStep(2, **leaves)
     with pytest.raises(RuntimeError, match=r"holds n \+ 1 = 4 steps yet"):

@@ -1,4 +1,5 @@
-"""The surface that dejax_eqx's compatibility layers (`dejax_eqx.compat`) build on.
+"""The surface that dejax_eqx's compatibility layers (`dejax_eqx.compat`), and buffer types
+defined outside the package, build on.
 
 Not for applications: these names may change between releases without a deprecation period.
 They are the checks every public method uses at its door, and the operations behind those
@@ -18,6 +19,14 @@ from .._checks import (
     Prototype as Prototype,
 )
 from .._faults import check_faults as check_faults, Fault as Fault, is_concrete as is_concrete
+from .._laws import (
+    float_targets as float_targets,
+    in_union as in_union,
+    locate as locate,
+    probability as probability,
+    single as single,
+    split_union as split_union,
+)
 from .._priorities import Priorities as Priorities, priority_mass as priority_mass
 from .._prioritised_trajectory import stamps_of as stamps_of
 from .._queue import extend_queue as extend_queue, pop_queue as pop_queue
