@@ -108,6 +108,12 @@ class ClusteredReplay(AbstractReplay):
                 "`ClusteredReplay(inner=...)` must be a replay (an `AbstractReplay` such as "
                 f"`UniformReplay` or `PrioritisedReplay`), got a {type(inner).__name__}."
             )
+        if inner.layered:
+            raise TypeError(
+                "`ClusteredReplay(inner=...)` must be a replay, not a layer over replays (a "
+                f"{type(inner).__name__}): each cluster would keep its own copy of the layer's "
+                "state. Cluster the replay, and wrap the ClusteredReplay instead."
+            )
         self.num_clusters = check_positive_int(num_clusters, "ClusteredReplay(num_clusters=...)")
         if not callable(cluster_fn):
             raise TypeError(

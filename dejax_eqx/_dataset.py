@@ -282,17 +282,7 @@ class Dataset:
         `TypeError` for a traced or abstract buffer, and `RuntimeError` as for `append`.
         """
         call = "Dataset.write"
-        t = _streams_of(buffer, self._manifest, call, "the buffer")
-        _check_host(t, call, "the buffer's leaves")
-        count = np.asarray(t.step_count, np.int64)
-        stored = np.asarray(t.lengths, np.int64)
-        manifest = self._manifest
-        if manifest.writes == 0 and not self.lengths.any():
-            manifest = dataclasses.replace(manifest, start=(count - stored).tolist())
-        start = np.asarray(manifest.start, np.int64)
-        new = _new_steps(count, stored, start + self.lengths, t.max_length, call)
-        manifest, priorities = _with_settings(manifest, buffer, call)
-        _check_count(self.ends, new, call)
+        t, manifest, priorities, new, start = self._planned(buffer, call)
         self._writer.begin(call)
         steps = _newest(t, new)
         per_env = {int(e): [x[e, : new[e]] for x in steps] for e in np.flatnonzero(new)}
@@ -305,6 +295,28 @@ class Dataset:
         )
         self._commit(manifest, call)
         return int(new.sum())
+
+    def check_write(self, buffer: AbstractTrajectoryBuffer) -> int:
+        """What `write(buffer)` would check, and nothing written: the number of steps it would
+        write, or the error it would raise (see `write`). For a writer of several datasets
+        that must refuse before it writes any (`GlobalTrajectoryBuffer.write_datasets`)."""
+        return int(self._planned(buffer, "Dataset.write")[3].sum())
+
+    def _planned(self, buffer: AbstractTrajectoryBuffer, call: str) -> tuple:
+        """`write`'s checks, before any I/O: the streams, the manifest to commit (but for its
+        lengths), the window priorities, the new steps of each env, and each env's start."""
+        t = _streams_of(buffer, self._manifest, call, "the buffer")
+        _check_host(t, call, "the buffer's leaves")
+        count = np.asarray(t.step_count, np.int64)
+        stored = np.asarray(t.lengths, np.int64)
+        manifest = self._manifest
+        if manifest.writes == 0 and not self.lengths.any():
+            manifest = dataclasses.replace(manifest, start=(count - stored).tolist())
+        start = np.asarray(manifest.start, np.int64)
+        new = _new_steps(count, stored, start + self.lengths, t.max_length, call)
+        manifest, priorities = _with_settings(manifest, buffer, call)
+        _check_count(self.ends, new, call)
+        return t, manifest, priorities, new, start
 
     def _commit(self, manifest: Manifest, call: str) -> None:
         if _BEFORE_COMMIT is not None:

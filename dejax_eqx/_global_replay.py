@@ -167,12 +167,9 @@ class GlobalReplay(AbstractGlobalBuffer, AbstractReplay):
         beta: Real[ArrayLike, ""] | None = None,
         call: str = "GlobalReplay.law",
     ) -> tuple[AbstractLaw, list[Fault]]:
-        """A global replay draws by its shards' law over all of them (`sample`); it is not
-        itself a shard or a cluster. **Raises:** `TypeError` at once."""
-        raise TypeError(
-            f"`{call}`: a GlobalReplay draws by its shards' law over all of them; it cannot "
-            "be a shard or a cluster of another buffer."
-        )
+        """The shards' law: what `sample` draws by, over every shard together. (A global replay
+        is a layer: it is never a shard or a cluster, which would draw by it alone.)"""
+        return self.template.law(age=age, beta=beta, call=call)
 
     def sample(
         self,

@@ -161,13 +161,13 @@ class GlobalTrajectoryBuffer(AbstractGlobalBuffer, AbstractTrajectoryBuffer):
         """The shards' `with_streams`, shard `k` taking envs `env_range(k)` of `streams`."""
         call = "GlobalTrajectoryBuffer.with_streams"
         streams = self._check_streams(streams, call)
-        n, k = self.num_shards, self.rows_per_shard
-        blocks = jax.tree.map(
-            lambda x: x.reshape(n, k, *x.shape[1:]) if eqx.is_array(x) else x, streams
-        )
-        arrays, static = eqx.partition(blocks, eqx.is_array)
+        # Rows split over the shards in equal blocks, as `add` splits its rows.
+        arrays = (streams.data, streams.step_count, streams.lengths)
         shard_call = f"{type(self.template).__name__}.with_streams"
-        args = (_WithStreams(static), (arrays,), [], (), shard_call, call)
+        template = eqx.filter_eval_shape(
+            Streams, self.item_spec, self.rows_per_shard, self.max_length
+        )
+        args = (_WithStreams(template), (arrays,), [], (), shard_call, call)
         return eqx.tree_at(
             lambda g: g.shards, self, run(add_blocks, self.layout, self.shards, *args)
         )
@@ -185,11 +185,16 @@ class GlobalTrajectoryBuffer(AbstractGlobalBuffer, AbstractTrajectoryBuffer):
         age: PolicyAge | None = None,
         call: str = "GlobalTrajectoryBuffer.law",
     ) -> tuple[AbstractLaw, list[Fault]]:
-        """A global buffer draws by its shards' law over all of them (`sample`); it is not
-        itself a shard. **Raises:** `TypeError` at once."""
-        raise TypeError(
-            f"`{call}`: a GlobalTrajectoryBuffer draws by its shards' law over all of them; "
-            "it cannot be a shard of another buffer."
+        """The shards' law: what `sample` draws by, over every shard together. (A global
+        buffer is a layer: it is never a shard, which would draw by it alone.)"""
+        return self.template.law(
+            what,
+            distribution_power=distribution_power,
+            source=source,
+            discount=discount,
+            beta=beta,
+            age=age,
+            call=call,
         )
 
     def sample(
@@ -380,30 +385,43 @@ class GlobalTrajectoryBuffer(AbstractGlobalBuffer, AbstractTrajectoryBuffer):
 
         One writer per dataset, as `Dataset` requires: a shard lives on one device, whose
         process alone writes it. Every process calls it (no collective; on the host, between
-        jitted steps), and `load_datasets` reads the shards back onto any number of
-        processes.
+        jitted steps), and `load_datasets` reads the shards back.
 
         **Returns:** the number of steps this process wrote.
+
+        **Raises:** `ValueError` before anything is written if `root` holds the datasets of
+        another number of shards, or if any of this process's shards could not be written
+        (see `Dataset.write`): all of them are checked first.
         """
+        call = "GlobalTrajectoryBuffer.write_datasets"
         root = Path(root)
+        _check_shards_on_disk(root, self.num_shards, call, writing=True)
         local = self.local_shards()
-        written = 0
-        for j, k in enumerate(self.local_shard_ids):
-            shard = jax.tree.map(
-                lambda x: jnp.asarray(x[j]) if isinstance(x, np.ndarray) else x, local
-            )
-            path = root / _shard_name(k)
-            if path.exists():
-                dataset = Dataset.open(path, shard, sync=sync)
-            else:
-                dataset = Dataset.create(
-                    path, shard.item_spec, shard.num_envs, chunk_length=chunk_length, sync=sync
+        datasets = []
+        try:
+            shards = []
+            for j, k in enumerate(self.local_shard_ids):
+                shard = jax.tree.map(
+                    lambda x: jnp.asarray(x[j]) if isinstance(x, np.ndarray) else x, local
                 )
-            try:
+                path = root / _shard_name(k)
+                if path.exists():
+                    dataset = Dataset.open(path, shard, sync=sync)
+                    datasets.append(dataset)
+                    dataset.check_write(shard)  # every shard checked before any is written
+                shards.append((path, shard))
+            written = 0
+            for (path, shard), dataset in zip(shards, _opened(shards, datasets)):
+                if dataset is None:
+                    dataset = Dataset.create(
+                        path, shard.item_spec, shard.num_envs, chunk_length=chunk_length, sync=sync
+                    )
+                    datasets.append(dataset)
                 written += dataset.write(shard)
-            finally:
+            return written
+        finally:
+            for dataset in datasets:
                 dataset.close()
-        return written
 
     @classmethod
     def load_datasets(
@@ -418,19 +436,18 @@ class GlobalTrajectoryBuffer(AbstractGlobalBuffer, AbstractTrajectoryBuffer):
         `write_datasets` wrote, from any number of processes), as `Dataset.load` reads them
         into `make()`. Every process calls it and reads only its own shards.
 
-        **Raises:** `FileNotFoundError` if a shard's dataset is missing; what `Dataset.open`
-        and `Dataset.load` raise.
+        **Raises:** `ValueError` before anything is read if `root` holds the datasets of
+        another number of shards than the mesh has (their envs could not be laid out as
+        they were written); `FileNotFoundError` if a shard's dataset is missing; what
+        `Dataset.open` and `Dataset.load` raise.
         """
+        call = "GlobalTrajectoryBuffer.load_datasets"
         template = cls.abstract(mesh, make, axis=axis)
+        _check_shards_on_disk(Path(root), template.num_shards, call, writing=False)
         like = eqx.filter_eval_shape(make)
         shards = []
         for k in template.local_shard_ids:
             path = Path(root) / _shard_name(k)
-            if not path.exists():
-                raise FileNotFoundError(
-                    f"`GlobalTrajectoryBuffer.load_datasets`: no dataset for shard {k} at "
-                    f"{str(path)!r}; {template.num_shards} shards need one each."
-                )
             dataset = Dataset.open(path, like)
             try:
                 shards.append(dataset.load(like))
@@ -482,10 +499,11 @@ class GlobalTrajectoryBuffer(AbstractGlobalBuffer, AbstractTrajectoryBuffer):
 class _WithStreams(eqx.Module):
     """`with_streams` on a shard, from its block of the streams' arrays."""
 
-    static: Any = eqx.field(static=True)
+    template: Streams = eqx.field(static=True)  # a shard's streams, as shapes
 
     def __call__(self, shard: AbstractTrajectoryBuffer, arrays: Any) -> Any:
-        return shard.with_streams(eqx.combine(arrays, self.static))
+        streams = eqx.tree_at(lambda s: (s.data, s.step_count, s.lengths), self.template, arrays)
+        return shard.with_streams(streams)
 
 
 class _Read(eqx.Module):
@@ -549,3 +567,31 @@ def _pop(layout: Layout, shards: Any, length: int, shard_call: str, call: str) -
 
 def _shard_name(shard: int) -> str:
     return f"shard-{shard:05d}"
+
+
+def _opened(shards: list, datasets: list) -> list:
+    """The open dataset of each shard (in `shards`' order), or `None` for one to create."""
+    by_path = {d.path: d for d in datasets}
+    return [by_path.get(path) for path, _ in shards]
+
+
+def _check_shards_on_disk(root: Path, shards: int, call: str, *, writing: bool) -> None:
+    """Refuse a `root` that holds the datasets of another number of shards (any at all for a
+    read; none beyond `shards` for a write, whose own shards may not exist yet)."""
+    found = sorted(p.name for p in root.glob("shard-*")) if root.is_dir() else []
+    numbers = sorted(int(name.removeprefix("shard-")) for name in found if name[6:].isdigit())
+    expected = list(range(shards))
+    beyond = [k for k in numbers if k >= shards]
+    if beyond or (not writing and numbers != expected):
+        if not writing and not numbers:
+            raise FileNotFoundError(
+                f"`{call}`: no dataset for any shard under {str(root)!r}; {shards} shards "
+                "need one each (`root/shard-<k>`)."
+            )
+        raise ValueError(
+            f"`{call}`: {str(root)!r} holds the datasets of shards {numbers}, but this buffer "
+            f"has {shards} shards ({expected[0]}..{expected[-1]}): they were written by "
+            "another number of shards, whose envs cannot be laid out on these. Use the "
+            "number of shards that wrote them. Nothing was "
+            f"{'written' if writing else 'read'}."
+        )

@@ -168,16 +168,17 @@ class RateLimited(eqx.Module, metaclass=_ByFamily):
 
     # --- the law ------------------------------------------------------------------------
 
-    def can_insert(self, n: Integer[ArrayLike, ""] = 1) -> Bool[Array, "*shards"]:
+    def can_insert(self, n: Integer[ArrayLike, ""] = 1) -> Bool[Array, ""]:
         """Whether an insert of `n` units may proceed now (`limiter.can_insert`). Over a
-        buffer of several shards, one verdict per shard, each for its equal block of the
-        insert (`n / num_shards` units), by its share of the law."""
+        buffer of several shards, whether every shard may take its equal block of the insert
+        (`n / num_shards` units) by its share of the law: one all-reduce, the same verdict in
+        every process."""
         if self.pending.shape[0] == 1:
             return self.limiter.can_insert(n)
         call = "RateLimited.can_insert"
         units = _blocks(n, self.pending.shape[0], call)
         shared = (self.limiter, units)
-        return self.buffer.map_shards(_share_allows, (self.pending,), shared)[0][0]
+        return self.buffer.map_shards(_share_allows, (self.pending,), shared)[1]
 
     def can_sample(self, n: Integer[ArrayLike, ""] = 1) -> Bool[Array, ""]:
         """Whether a sample of `n` rows may proceed now (`limiter.can_sample`), by the exact
@@ -343,11 +344,15 @@ def _share(
 
 def _share_allows(
     row: tuple[Array], shared: tuple[RateLimiter, Array], axis: str | None, shards: int
-) -> tuple[tuple[Array], None]:
+) -> tuple[tuple[Array], Array]:
+    """Whether every shard may take its block: each shard's verdict on its share, and-ed."""
     (pending,) = row
     limiter, units = shared
     me = 0 if axis is None else jax.lax.axis_index(axis)
-    return (_share(limiter, pending, units[me], shards)[None],), None
+    refused = (~_share(limiter, pending, units[me], shards)).astype(jnp.int32)
+    if axis is not None:
+        refused = jax.lax.psum(refused, axis)
+    return (pending[None],), refused == 0
 
 
 def _count_share(
@@ -480,12 +485,9 @@ class RateLimitedReplay(RateLimited, AbstractReplay):
         beta: Real[ArrayLike, ""] | None = None,
         call: str = "RateLimited.law",
     ) -> tuple[AbstractLaw, list[Fault]]:
-        """A `RateLimited` counts its own samples: it is drawn from by `sample` only, never by
-        another layer. **Raises:** `TypeError` at once."""
-        raise TypeError(
-            f"`{call}`: a RateLimited counts its own samples; it cannot be a shard or a "
-            "cluster of another buffer (wrap the outermost buffer)."
-        )
+        """The buffer's law: what `sample` draws by. (A `RateLimited` is a layer: it is never
+        a shard or a cluster, which would draw by it without counting.)"""
+        return self.buffer.law(age=age, beta=beta, call=call)
 
     def sample(  # pyright: ignore[reportIncompatibleMethodOverride]
         self: _RR,
@@ -501,11 +503,12 @@ class RateLimitedReplay(RateLimited, AbstractReplay):
         `sample` returns for the same arguments.
 
         **Raises:** what the replay's `sample` raises, and an `eqx.error_if` error if the law
-        does not allow the sample (see `RateLimiter.sample`).
+        does not allow the sample (see `RateLimiter.sample`). When both hold (a sample of an
+        empty replay, which no law allows), a compiled call raises either one.
         """
         call = "RateLimited.sample"
         batch_size = check_positive_int(batch_size, f"{call}(batch_size=...)")
-        limited = self._sampled(batch_size, call)  # the law's message first
+        limited = self._sampled(batch_size, call)
         return limited, self.buffer.sample(key, batch_size, age=age, beta=beta)
 
     def sample_unchecked(self, key: PRNGKeyArray, batch_size: int) -> Any:
@@ -631,11 +634,16 @@ class RateLimitedTrajectoryBuffer(RateLimited, AbstractTrajectoryBuffer):
         age: PolicyAge | None = None,
         call: str = "RateLimited.law",
     ) -> tuple[AbstractLaw, list[Fault]]:
-        """A `RateLimited` counts its own samples: it is drawn from by `sample` only, never by
-        another layer. **Raises:** `TypeError` at once."""
-        raise TypeError(
-            f"`{call}`: a RateLimited counts its own samples; it cannot be a shard of another "
-            "buffer (wrap the outermost buffer)."
+        """The buffer's law: what `sample` draws by. (A `RateLimited` is a layer: it is never
+        a shard, which would draw by it without counting.)"""
+        return self.buffer.law(
+            what,
+            distribution_power=distribution_power,
+            source=source,
+            discount=discount,
+            beta=beta,
+            age=age,
+            call=call,
         )
 
     def sample(  # pyright: ignore[reportIncompatibleMethodOverride]
@@ -656,11 +664,12 @@ class RateLimitedTrajectoryBuffer(RateLimited, AbstractTrajectoryBuffer):
         `sample` returns for the same arguments.
 
         **Raises:** what the buffer's `sample` raises, and an `eqx.error_if` error if the law
-        does not allow the sample (see `RateLimiter.sample`).
+        does not allow the sample (see `RateLimiter.sample`). When both hold (a sample of an
+        empty buffer, which no law allows), a compiled call raises either one.
         """
         call = "RateLimited.sample"
         batch_size = check_positive_int(batch_size, f"{call}(batch_size=...)")
-        limited = self._sampled(batch_size, call)  # the law's message first
+        limited = self._sampled(batch_size, call)
         out = self.buffer.sample(
             key,
             batch_size,

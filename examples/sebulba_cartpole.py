@@ -13,7 +13,8 @@ rate limiter (Sebulba style: threads in one process).
   has caught up; a fast learner blocks in `sample` until the actors have inserted enough.
 - **Learner.** One thread: Double DQN with a Polyak-averaged target network (optax Adam). It
   samples with `sample(..., age=...)`: transitions whose policy is more than `max_age`
-  versions older than the learner's are excluded, so the learner never trains on data from a policy long gone.
+  versions older than the learner's are excluded, so the learner never trains on data from a
+  policy long gone.
   After every update it publishes its parameters and the new version to the actors.
 - **Evaluation.** The main thread runs greedy episodes in a separate envpool every
   `eval_every` seconds, stops everyone when the mean return reaches `--target-return` (400 by

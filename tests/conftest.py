@@ -36,6 +36,10 @@ for _name, _value in _TEST_XLA_FLAGS.items():
         _flags += f" --{_name}={_value}"
 os.environ["XLA_FLAGS"] = _flags.strip()
 
+# Four CPU devices in every test process, as equinox's tests give theirs two: the global buffers
+# and the sharding checks run on a mesh of them in process (tests/test_layers.py,
+# tests/test_sharding.py). Everything else runs on the first, as on a machine of one.
+jax.config.update("jax_num_cpu_devices", 4)
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
@@ -104,13 +108,12 @@ def _release_when_over_budget():
         _release_memory()
 
 
-# The tests that are one long run of subprocesses: the four-device checks, and the processes of
-# a `jax.distributed` program.
-_FIRST = ("tests/test_sharding.py", "tests/test_multi_process.py")
+# The test that is one long run of subprocesses: the processes of a `jax.distributed` program.
+_FIRST = ("tests/test_multi_process.py",)
 
 
 def pytest_collection_modifyitems(config, items):
-    """Run the long subprocess tests first (`_FIRST`, in order): under `pytest -n 2` they then
-    overlap the rest of the suite instead of ending it, one after the other on one worker."""
+    """Run the long subprocess test first (`_FIRST`): under `pytest -n 2` it then overlaps the
+    rest of the suite instead of ending it."""
     rank = {path: i for i, path in enumerate(_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(_FIRST)))

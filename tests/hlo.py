@@ -1,5 +1,5 @@
 """Reading compiled HLO: the collectives a program runs and the buffers it updates in place.
-For the multi-device checks (`four_devices.py`, `multi_process.py`)."""
+For the multi-device checks (`test_sharding.py`, `multi_process.py`)."""
 
 import re
 from typing import NamedTuple

@@ -35,6 +35,7 @@ def main() -> None:
         os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
     )
     import jax
+    import jax.experimental.multihost_utils  # noqa: F401
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if args.processes > 1:
@@ -326,7 +327,8 @@ def prioritised_trajectory(out: Path) -> None:
         }
         buffer = add(buffer, buffer.rows(_local(np, buffer, steps)))
         single = add(single, steps)
-    assert int(buffer.num_windows) == int(single.num_windows)
+    windows = int(jnp.sum(jax.vmap(lambda b: b.num_windows)(buffer.shards)))
+    assert windows == int(single.num_windows)
     key = jax.random.key(5)
     sample = eqx.filter_jit(lambda b, k, n: b.sample(k, n, beta=0.5))
     got, want = sample(buffer, key, 16), sample(single, key, 16)
@@ -390,7 +392,7 @@ def errors(out: Path) -> None:
             {"obs": np.zeros((n + 1, 3), np.float32), "id": np.zeros(n + 1, np.int32)}
         ),
         f"holds {local} shards": lambda: replay.rows({"id": np.zeros(local + 1, np.int32)}),
-        "a shard must be one of": lambda: dx.GlobalReplay(
+        "a shard must be a Replay": lambda: dx.GlobalReplay(
             _mesh(), lambda: dx.TrajectoryBuffer(_item(), 2, 4)
         ),
         f"do not divide {10 * n + 1}": lambda: dx.GlobalReplay.shard_size(_mesh(), 10 * n + 1),
@@ -416,6 +418,230 @@ def errors(out: Path) -> None:
             assert "empty" in str(e) or "no stored item" in str(e), e
         else:
             raise AssertionError("no error")
+
+
+def _raises_everywhere(eqx, jax, call, words: str) -> None:
+    """`call()` raises `words` in this process; every process runs it, and each must raise
+    (none may wait in a collective for another), then the next check proceeds in step."""
+    try:
+        jax.block_until_ready(call())
+    except (eqx.EquinoxRuntimeError, ValueError, TypeError) as e:
+        assert words in str(e), (words, str(e)[:500])
+    else:
+        raise AssertionError(f"no error: {words}")
+
+
+@check
+def faults_raise_in_every_process(out: Path) -> None:
+    """A bad index or env id of a routed call (`set_priorities`, `stale`, `read`, `peek`)
+    raises in every process, eagerly and under `jit`, and the processes go on in step: no
+    process waits in a collective for one that raised. An int64 name is checked in its own
+    dtype, never wrapped into range."""
+    dx, eqx, jax, jnp, np = _setup()
+    replay = dx.GlobalReplay(_mesh(), lambda: dx.PrioritisedReplay(_item(), 4))
+    n = replay.num_shards
+    items, mask = _replay_rows(np, n, 4, lambda k: 2)
+    local = lambda x: replay.rows(_local(np, replay, x))  # noqa: E731
+    replay = replay.add_batch(local(items), mask=local(mask))
+    one = jnp.ones(1)
+    names = "an index names no item of any shard"
+    stored = "index out of range"
+    for index, words in [
+        (np.array([4 * n]), names),  # past the end
+        (np.array([-1]), names),  # negative
+        (np.array([2**32 + 1], np.int64), names),  # would wrap to 1
+        (np.array([3]), stored),  # shard 0's slot 3: not stored
+    ]:
+        _raises_everywhere(eqx, jax, lambda: replay.set_priorities(index, one), words)
+        jitted = eqx.filter_jit(lambda r, i: r.set_priorities(i, one))
+        if index.dtype != np.int64:
+            _raises_everywhere(eqx, jax, lambda: jitted(replay, jnp.asarray(index)), words)
+    generations = np.zeros(1, np.uint32)
+    _raises_everywhere(eqx, jax, lambda: replay.stale(np.array([4 * n]), generations), names)
+    clustered = dx.GlobalReplay(
+        _mesh(), lambda: dx.ClusteredReplay(dx.PrioritisedReplay(_item(), 4), 2, _odd)
+    )
+    pair = (np.array([0]), np.array([4 * n]))
+    _raises_everywhere(eqx, jax, lambda: clustered.set_priorities(pair, one), names)
+    window = dx.Window(1, strict=True)
+    windows = dx.GlobalTrajectoryBuffer(
+        _mesh(), lambda: dx.PrioritisedTrajectoryBuffer(_item(), 2, 4, window)
+    )
+    for t in range(3):
+        steps = {"obs": np.zeros((2 * n, 3), np.float32), "id": np.zeros(2 * n, np.int32)}
+        windows = windows.add(windows.rows(_local(np, windows, steps)))
+    bad_env = np.array([2 * n])
+    for call in [
+        lambda: windows.set_priorities(bad_env, np.array([0]), one),
+        lambda: windows.stale(bad_env, np.array([0])),
+        lambda: windows.peek(bad_env),
+    ]:
+        _raises_everywhere(eqx, jax, call, "an env id is outside [0, num_envs)")
+    _raises_everywhere(
+        eqx,
+        jax,
+        lambda: windows.set_priorities(np.array([0]), np.array([7]), one),
+        "a start is not a step of its env",
+    )
+    # In step afterwards: a collective of every process still meets.
+    assert int(jax.block_until_ready(replay.sample(jax.random.key(0), 4).indices).shape[0]) == 4
+
+
+def _odd(item):
+    return item["id"] % 2
+
+
+@check
+def every_sampling_option_globally(out: Path) -> None:
+    """Windows with every option (`done`, episode ends, period, burn-in) from both sources
+    and by policy age in one batch, and n-step transitions: each the draw of one buffer of
+    every env."""
+    dx, eqx, jax, jnp, np = _setup()
+    step = {
+        **_item(),
+        "r": jnp.zeros(()),
+        "done": jnp.zeros((), bool),
+        "v": jnp.zeros((), jnp.int32),
+    }
+    make = lambda: dx.TrajectoryBuffer(step, 2, 16)  # noqa: E731
+    buffer = dx.GlobalTrajectoryBuffer(_mesh(), make)
+    n = buffer.num_shards
+    single = dx.TrajectoryBuffer(step, 2 * n, 16)
+    for t in range(11):
+        steps = {
+            "obs": np.full((2 * n, 3), t, np.float32),
+            "id": (np.arange(2 * n) * 100 + t).astype(np.int32),
+            "r": np.ones(2 * n, np.float32),
+            "done": (np.arange(2 * n) + t) % 4 == 3,
+            "v": np.full(2 * n, t, np.int32),
+        }
+        buffer = buffer.add(buffer.rows(_local(np, buffer, steps)))
+        single = single.add(steps)
+        if t == 6:
+            buffer, single = (
+                buffer.with_streams(buffer.streams),
+                single.with_streams(single.streams),
+            )
+    window = dx.Window(3, burn_in=1, period=2, done="done", episode_ends="within")
+    nstep = dx.NStep(2, reward="r", terminated="done")
+    version = lambda item: item["v"]  # noqa: E731
+    age = dx.PolicyAge(version, 10, max_age=4)
+    # Every option of the law in one draw here (tests/test_global.py has each alone, on the
+    # devices of one process).
+    asks = {
+        "windows, both sources, aged": lambda b, k: b.sample(
+            k, 16, window, source={"replay": 10, "online": 6}, age=age
+        ),
+        "transitions": lambda b, k: b.sample(k, 16, nstep, discount=0.9),
+    }
+    for name, ask in asks.items():
+        key = jax.random.key(7)
+        got, want = eqx.filter_jit(ask)(buffer, key), eqx.filter_jit(ask)(single, key)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), name
+    # The stamps read back on the shard of their env.
+    sample = buffer.sample(jax.random.key(8), 16, window)
+    again = buffer.read(sample.env, sample.start, window)
+    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(sample)):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+@check
+def bad_inputs_as_the_single_buffer(out: Path) -> None:
+    """A bad input to a global buffer gets the error the single buffer gives: nothing is cast
+    or wrapped on its way into a compiled call."""
+    dx, eqx, jax, jnp, np = _setup()
+    buffer = dx.GlobalTrajectoryBuffer(_mesh(), lambda: dx.TrajectoryBuffer(_item(), 2, 8))
+    single = dx.TrajectoryBuffer(_item(), 2 * buffer.num_shards, 8)
+    n = buffer.num_shards
+    wide = {"obs": np.zeros((2 * n, 3), np.float64), "id": np.zeros(2 * n, np.int32)}
+    for b in (buffer, single):
+        try:
+            b.add(wide)
+        except TypeError as e:
+            assert "has dtype float64, expected float32" in str(e)
+        else:
+            raise AssertionError("float64 items were cast")
+    try:
+        buffer.rows(_local(np, buffer, wide))
+    except TypeError as e:
+        assert "which JAX holds as float32" in str(e)
+    else:
+        raise AssertionError("rows() cast float64")
+    # env ids past int32, given on the host: refused in their own dtype.
+    ids = (np.arange(n) * 2 + 2**32).astype(np.int64)
+    steps = {"obs": np.zeros((n, 3), np.float32), "id": np.zeros(n, np.int32)}
+    for b in (buffer, single):
+        _raises_everywhere(eqx, jax, lambda: b.add(steps, ids), "env id")
+    priorities = dx.GlobalReplay(_mesh(), lambda: dx.PrioritisedReplay(_item(), 4))
+    items, mask = _replay_rows(np, n, 4, lambda k: 4)
+    priorities = priorities.add_batch(priorities.rows(_local(np, priorities, items)))
+    big = np.array([2**32], np.int64)  # a priority, not wrapped to 0
+    priorities = priorities.set_priorities(np.array([0]), big)
+    assert float(_whole(priorities.shards.max_priority)[0]) == float(np.float32(2**32))
+
+
+@check
+def rate_limited_global(out: Path) -> None:
+    """`RateLimited(GlobalReplay(...))` across processes: each shard counts its own block of
+    every insert, every sample folds the counts in with one all-reduce; the counts are the
+    global ones, the same in every process, and the law holds over them."""
+    dx, eqx, jax, jnp, np = _setup()
+    buffer = dx.GlobalReplay(_mesh(), lambda: dx.UniformReplay(_item(), 64))
+    n = buffer.num_shards
+    limiter = dx.RateLimiter.sample_to_insert_ratio(
+        1, 4 * n, 8 * n, insert_batch_size=4 * n, sample_batch_size=8
+    )
+    limited = dx.RateLimited(buffer, limiter)
+    assert isinstance(limited, dx.AbstractReplay) and limited.num_shards == n
+    items, _ = _replay_rows(np, n, 4, lambda k: 4)
+    rows = buffer.rows(_local(np, buffer, items))
+    add = eqx.filter_jit(lambda r, x: r.add_batch(x))
+    sample = eqx.filter_jit(lambda r, k: r.sample(k, 8))
+    inserted = sampled = 0
+    for step in range(6):
+        if bool(limited.can_insert(4 * n)):
+            limited = add(limited, rows)
+            inserted += 4 * n
+        while bool(limited.can_sample(8)):
+            limited, batch = sample(limited, jax.random.key(step))
+            sampled += 8
+        assert limited.counts() == (inserted, sampled)
+        rate = limiter.rate
+        assert rate.balance(inserted, sampled) <= rate.scaled_max
+        assert (
+            inserted < rate.min_size_to_sample or rate.balance(inserted, sampled) >= rate.scaled_min
+        )
+    assert sampled > 0
+
+
+@check
+def datasets_refuse_another_shard_count(out: Path) -> None:
+    """`load_datasets` of the datasets of another number of shards, and `write_datasets` into
+    them, refuse before they read or write anything."""
+    dx, eqx, jax, jnp, np = _setup()
+    root = out / "datasets-wrong-count"
+    shards = jax.device_count()
+    if jax.process_index() == 0:
+        for k in range(shards + 2):  # more shards than this mesh has
+            dx.Dataset.create(root / f"shard-{k:05d}", _item(), 2).close()
+    jax.experimental.multihost_utils.sync_global_devices("datasets made")
+    buffer = dx.GlobalTrajectoryBuffer(_mesh(), _dataset_shard)
+    for call, words in [
+        (
+            lambda: dx.GlobalTrajectoryBuffer.load_datasets(root, _mesh(), _dataset_shard),
+            "Nothing was read",
+        ),
+        (lambda: buffer.write_datasets(root), "Nothing was written"),
+    ]:
+        try:
+            call()
+        except ValueError as e:
+            assert words in str(e) and "another number of shards" in str(e), e
+        else:
+            raise AssertionError(words)
+    for k in range(shards + 2):  # untouched: still empty
+        assert (root / f"shard-{k:05d}" / "manifest.json").exists()
 
 
 # Checkpoints: saved with orbax by one topology, restored by the other.

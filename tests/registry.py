@@ -3,7 +3,7 @@
 Each `BufferType` says how to make a small empty instance (also the template for `dx.load`),
 how to put a few items in it, and every public method and array-valued property with example
 arguments. The cross-cutting tests (`test_transforms.py`: jit, donation, scan, vmap;
-`four_devices.py`: `shard_map`; `test_io.py`: save/load) are parametrised over it, so covering a
+`test_sharding.py`: `shard_map`; `test_io.py`: save/load) are parametrised over it, so covering a
 new buffer type, or a new method, is adding an entry here; `test_registry_covers_the_public_api`
 fails until it is.
 

@@ -76,9 +76,10 @@ def test_multi_process_dqn_smoke(tmp_path):
     assert "step cap reached: 512 env steps >= 512; stopping" in result.stdout
     # The learner ran in both processes on the same batches: the same parameters.
     assert "q-network bit-identical on all 2 devices: True" in result.stdout
-    # Per step, only the replay's sample crosses processes: the shards' sizes (2 words each)
-    # and the batch of 32 transitions of 11 32-bit words; no gradient.
-    assert "total: 1,424 bytes per training step" in result.stdout
+    # Per step, only the replay's sample crosses processes: the shards' sizes (one 32-bit word
+    # each: a uniform law's summary) and the batch of 32 transitions of 11 32-bit words; no
+    # gradient.
+    assert "total: 1,416 bytes per training step" in result.stdout
     assert "smoke run: no learning threshold" in result.stdout
 
 

@@ -1,6 +1,6 @@
-"""The global buffers in this process, on a mesh of its one device (the checks across
-processes are `multi_process.py`'s): values of every kind come back bit for bit, and the
-draws are a single buffer's."""
+"""The global buffers in this process, on meshes of its devices (the checks across processes
+are `multi_process.py`'s): values of every kind come back bit for bit, and the draws are a
+single buffer's."""
 
 import dejax_eqx as dx
 import equinox as eqx
@@ -73,3 +73,55 @@ def test_a_prioritised_global_replay_on_one_device_draws_as_the_replay_it_holds(
     single = single.set_priorities(want.indices, want.items["x"] + 1)
     leaves = jax.vmap(lambda shard: shard.tree.leaves)(replay.shards)[0]
     assert np.array_equal(np.asarray(leaves), np.asarray(single.tree.leaves))
+
+
+@pytest.mark.parametrize(
+    "option", ["windows", "strict", "transitions", "both sources", "aged", "online only"]
+)
+def test_every_sampling_option_draws_as_one_buffer_of_every_env(option):
+    # Four shards of 2 envs against one buffer of 8 envs fed the same steps: each option of
+    # the law (windows with `done`, episode ends, period and burn-in; strict windows; n-step
+    # transitions; both sources; policy age) gives the same rows bit for bit.
+    step = {
+        "obs": jnp.zeros(3),
+        "id": jnp.zeros((), jnp.int32),
+        "r": jnp.zeros(()),
+        "done": jnp.zeros((), bool),
+        "v": jnp.zeros((), jnp.int32),
+    }
+    mesh = jax.make_mesh((4,), ("shards",))
+    buffer = dx.GlobalTrajectoryBuffer(mesh, lambda: dx.TrajectoryBuffer(step, 2, 16))
+    single = dx.TrajectoryBuffer(step, 8, 16)
+    for t in range(11):
+        steps = {
+            "obs": np.full((8, 3), t, np.float32),
+            "id": (np.arange(8) * 100 + t).astype(np.int32),
+            "r": np.ones(8, np.float32),
+            "done": (np.arange(8) + t) % 4 == 3,
+            "v": np.full(8, t, np.int32),
+        }
+        buffer, single = buffer.add(buffer.rows(steps)), single.add(steps)
+        if t == 6:  # the online queue restarts: steps 7 to 10 are online
+            buffer = buffer.with_streams(buffer.streams)
+            single = single.with_streams(single.streams)
+    window = dx.Window(3, burn_in=1, period=2, done="done", episode_ends="within")
+    strict = dx.Window(2, strict=True, done="done", episode_ends="truncate")
+    age = dx.PolicyAge(lambda item: item["v"], 10, max_age=4)
+    nstep = dx.NStep(2, reward="r", terminated="done")
+    ask = {
+        "windows": lambda b, k: b.sample(k, 16, window),
+        "strict": lambda b, k: b.sample(k, 16, strict),
+        "transitions": lambda b, k: b.sample(k, 16, nstep, discount=0.9),
+        "both sources": lambda b, k: b.sample(k, 16, window, source={"replay": 10, "online": 6}),
+        "aged": lambda b, k: b.sample(k, 16, window, age=age),
+        "online only": lambda b, k: b.sample(k, 16, window, source="online"),
+    }[option]
+    key = jax.random.key(7)
+    got, want = eqx.filter_jit(ask)(buffer, key), eqx.filter_jit(ask)(single, key)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    if option == "windows":  # the stamps read back on the shard of their env
+        again = buffer.read(got.env, got.start, window)
+        for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(got)):
+            assert np.asarray(a).tobytes() == np.asarray(b).tobytes()

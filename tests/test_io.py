@@ -24,7 +24,7 @@ from .registry import BUFFER_TYPES, BufferType, BY_NAME, make_batch, stack
 
 
 # ---------------------------------------------------------------------------------------------
-# The round trips (here, and on four devices in `four_devices.py`) run over every buffer type of
+# The round trips (here, and on four devices in `test_sharding.py`) run over every buffer type of
 # `tests/registry.py`: its `make` (also the template for `load`) and its `step`, one random
 # operation that changes the contents. Each is also run as a batch of independent buffers (what
 # `eqx.filter_vmap` makes), built by stacking.

@@ -17,6 +17,7 @@ import math
 import re
 import struct
 from fractions import Fraction
+from typing import Any
 
 import dejax_eqx as dx
 import equinox as eqx
@@ -28,6 +29,7 @@ from dejax_eqx import RateLimited, RateLimiter
 from dejax_eqx._int64 import to_int
 from dejax_eqx._rates import Rate, UNLIMITED
 from hypothesis import given, strategies as st
+from hypothesis.stateful import initialize, invariant, rule, RuleBasedStateMachine
 
 from .helpers import tree_equal
 
@@ -770,3 +772,121 @@ def test_dataset_manifest_counts_are_validated(tmp_path):
     _resign(tmp_path / "d", lambda body: body.update(limiter={"inserts": 2**62, "samples": 0}))
     with pytest.raises(ValueError, match="`RateLimiter.with_counts`"):
         dx.Dataset.open(tmp_path / "d", ITEM).load(RateLimited(buf, _unlimited()))
+
+
+# ---------------------------------------------------------------------------------------------
+# RateLimited against the law on Python ints, over one buffer and over the shards of a global
+# one: random runs of inserts and samples, each allowed exactly when the law allows it.
+
+
+class _Counted:
+    """The Python model of a `RateLimited` over `shards` shards: the counts as of the last
+    sample (`inserts`, `samples`) and each shard's pending inserts since (equal blocks, so one
+    number), by `Rate`'s law on Python ints with each shard's share."""
+
+    def __init__(self, rate: Rate, shards: int):
+        self.rate, self.shards = rate, shards
+        self.inserts = self.samples = self.pending = 0
+
+    def counts(self) -> tuple[int, int]:
+        return self.inserts + self.shards * self.pending, self.samples
+
+    def can_insert(self, n: int) -> bool:
+        block = n // self.shards
+        return self.rate.can_insert(
+            self.inserts, self.samples, block, shares=self.shards, pending=self.pending
+        )
+
+    def can_sample(self, n: int) -> bool:
+        return self.rate.can_sample(*self.counts(), n)
+
+
+_LAWS = {  # (samples_per_insert, min_size_to_sample, error_buffer) of `sample_to_insert_ratio`
+    "tight": (1, 8, 8),
+    "two samples per insert": (2, 8, 24),
+    "half a sample per insert": (0.5, 16, 12),
+}
+
+
+class RateLimitedMachine(RuleBasedStateMachine):
+    """`RateLimited(buffer)` beside `_Counted`: every insert and sample the model allows
+    proceeds, every other one is refused with the law's message and changes nothing, and the
+    predicates, budgets and counts are the model's."""
+
+    shards = 1
+
+    def __init__(self):
+        super().__init__()
+        self.limited = self.model = None
+
+    def make(self) -> Any:
+        return dx.UniformReplay(ITEM, 64)
+
+    @initialize(law=st.sampled_from(sorted(_LAWS)))
+    def start(self, law):
+        spi, min_size, error = _LAWS[law]
+        limiter = RateLimiter.sample_to_insert_ratio(
+            spi, min_size, error, insert_batch_size=8, sample_batch_size=4
+        )
+        self.limited = RateLimited(self.make(), limiter)
+        self.model = _Counted(limiter.rate, self.shards)
+
+    @rule(blocks=st.integers(1, 8 // 4))
+    def insert(self, blocks):
+        n = 4 * blocks  # a multiple of every shard count here
+        allowed = self.model.can_insert(n)
+        assert bool(self.limited.can_insert(n)) == allowed
+        if allowed:
+            self.limited = _ADD(self.limited, _items(n))
+            self.model.pending += n // self.shards
+        else:
+            with pytest.raises(FAULT, match="`RateLimited.add_batch`: the rate limit does not"):
+                _ADD(self.limited, _items(n))
+
+    @rule(n=st.sampled_from([1, 2, 4]))
+    def sample(self, n):
+        allowed = self.model.can_sample(n)
+        assert bool(self.limited.can_sample(n)) == allowed
+        if allowed:
+            self.limited, batch = _SAMPLE(self.limited, jax.random.key(n), n)
+            assert jax.tree.leaves(batch)[0].shape[0] == n
+            self.model.inserts, self.model.samples = self.model.counts()
+            self.model.samples += n
+            self.model.pending = 0
+        else:
+            # Under `jit` an empty buffer may raise its own fault instead (both hold).
+            empty = self.model.counts()[0] == 0
+            refused = "`RateLimited.sample`: the rate limit does not"
+            with pytest.raises(FAULT, match=f"{refused}|empty UniformReplay" if empty else refused):
+                _SAMPLE(self.limited, jax.random.key(n), n)
+
+    @invariant()
+    def counts_and_budgets_are_the_laws(self):
+        if self.limited is None:
+            return
+        inserts, samples = self.model.counts()
+        assert self.limited.counts() == (inserts, samples)
+        rate = self.model.rate
+        assert int(self.limited.sample_budget(2)) == rate.sample_budget(inserts, samples, 2)
+        assert int(self.limited.insert_budget(4)) == rate.insert_budget(inserts, samples, 4)
+
+
+_ADD = eqx.filter_jit(lambda limited, items: limited.add_batch(items))
+_SAMPLE = eqx.filter_jit(lambda limited, key, n: limited.sample(key, n))
+
+
+class GlobalRateLimitedMachine(RateLimitedMachine):
+    """The same over a `GlobalReplay` of 4 shards: each counts its own block of an insert by
+    its share of the law, and a sample folds the counts in."""
+
+    shards = 4
+
+    def make(self) -> Any:
+        mesh = jax.make_mesh((4,), ("shards",))
+        return dx.GlobalReplay(mesh, lambda: dx.UniformReplay(ITEM, 16))
+
+
+TestRateLimitedMachine = RateLimitedMachine.TestCase
+TestGlobalRateLimitedMachine = pytest.mark.skipif(
+    not hasattr(jax, "shard_map"), reason="the global buffers need JAX 0.7+ (jax.shard_map)"
+)(GlobalRateLimitedMachine.TestCase)

@@ -355,7 +355,8 @@ def test_faults_roll_back():
         # Trace time: nothing has run, nothing is lost.
         with pytest.raises((TypeError, ValueError), match="TrajectoryBuffer.add"):
             service.add({"env": np.zeros((1, 2), np.int32), "t": steps["t"]}, np.array([1]))
-        with pytest.raises(ValueError, match="`ReplayService.sample`: a window of .* is longer than max_length"):
+        longer = "`ReplayService.sample`: a window of .* is longer than max_length"
+        with pytest.raises(ValueError, match=longer):
             service.sample(jax.random.key(0), 1, dx.Window(9))  # longer than max_length
         assert service.counts() == (1, 0)
         service.sample(jax.random.key(0), 1, dx.Window(1))

@@ -1,6 +1,6 @@
 """Every buffer type under the transformations a training loop uses: `jax.jit`, donation
 (`eqx.filter_jit(donate=...)`), a `lax.scan` carry, `eqx.filter_vmap` over a batch of buffers,
-and jit caching. Parametrised over `tests/registry.py`; `shard_map` is in `four_devices.py`,
+and jit caching. Parametrised over `tests/registry.py`; `shard_map` is in `test_sharding.py`,
 save/load in `test_io.py`.
 
 The reference for each method is `eqx.filter_jit(call)` without donation: the other forms

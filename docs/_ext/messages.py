@@ -31,9 +31,9 @@ What an expression stands for is followed this far:
   it calls with it), across files and through methods (`self.m(...)`, `window.check(...)`,
   the receiver's class read from annotations where it can be). A function never called in the
   package, or passed around instead of called, is read with its parameters standing for
-  anything; so is every function of `_checks.py` and `_deprecated.py` that other files call: the shared checks are
-  listed once, for any call, not once per caller. A name assigned more than once stands for
-  anything.
+  anything; so is every function of `_checks.py` and `_deprecated.py` that other files call:
+  the shared checks are listed once, for any call, not once per caller. A name assigned more
+  than once stands for anything.
 
 A template's call is its first code span (`` `TrajectoryBuffer.sample`: ... ``); the catalogue
 lists the messages under the class or function that call belongs to.
