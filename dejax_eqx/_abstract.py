@@ -23,7 +23,7 @@ from ._faults import check_faults, Fault
 from ._laws import AbstractLaw, draw_from, sample_with, split_union
 from ._nstep import NStep
 from ._policy_age import PolicyAge
-from ._streams import check_newest, check_stale, Streams
+from ._streams import check_newest, check_stale, checked_streams, Streams
 from ._windows import Window
 
 
@@ -730,13 +730,4 @@ class AbstractTrajectoryBuffer(eqx.Module):
 
     def _check_streams(self, streams: Streams, call: str) -> Streams:
         """`streams` if it has this buffer's configuration, else an error quoting `call`."""
-        if not isinstance(streams, Streams):
-            raise TypeError(f"`{call}`: expected a `dx.Streams`, got {type(streams).__name__}.")
-        mine = (self.num_envs, self.max_length, self.item_spec)
-        theirs = (streams.num_envs, streams.max_length, streams.item_spec)
-        if mine != theirs:
-            raise ValueError(
-                f"`{call}`: the streams have (num_envs, max_length, steps) = {theirs}, but "
-                f"this buffer has {mine}."
-            )
-        return streams
+        return checked_streams(streams, self.num_envs, self.max_length, self.item_spec, call)

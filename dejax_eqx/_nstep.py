@@ -81,7 +81,7 @@ class NStep(eqx.Module):
         buf = dx.TrajectoryBuffer(step, num_envs=2, max_length=32)
         buf = buf.extend(jax.tree.map(lambda x: jnp.zeros((2, 10, *x.shape), x.dtype), step))
         three = dx.NStep(3, reward="reward", terminated="done")
-        t = buf.sample_transitions(jax.random.key(0), 8, three, discount=0.99)
+        t = buf.sample(jax.random.key(0), 8, three, discount=0.99)
         assert t.returns.shape == (8,) and t.next["obs"].shape == (8, 3)
         ```
     """

@@ -225,18 +225,7 @@ class PrioritisedTrajectoryBuffer(AbstractTrajectoryBuffer, HasPriorities):
         w = self.window
         if what is None:
             return w
-        if not isinstance(what, Window):
-            raise TypeError(
-                f"`{call}`: a PrioritisedTrajectoryBuffer draws its own windows: `what` must be "
-                f"None or a `dx.Window` of the same parts, got {what!r}."
-            )
-        parts = lambda v: (v.sequence_length, v.burn_in, v.bootstrap, v.period, v.strict)  # noqa: E731
-        if parts(what) != parts(w):
-            raise ValueError(
-                f"`{call}`: the buffer's windows are (sequence_length, burn_in, bootstrap, "
-                f"period, strict) = {parts(w)}; a sample may mask them otherwise "
-                f"(`episode_ends`, `done`) but not change them, and {parts(what)} does."
-            )
+        what = w.masked_as(what, call)
         what.check(self.item_spec, self.max_length, call)
         return what
 

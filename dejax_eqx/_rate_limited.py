@@ -51,7 +51,14 @@ from ._int64 import add_product, less_equal
 from ._laws import AbstractLaw
 from ._nstep import NStep
 from ._policy_age import PolicyAge
-from ._rate_limiter import checked_amount, count_inserts, count_samples, folded_inserts, RateLimiter
+from ._rate_limiter import (
+    checked_amount,
+    checked_limiter,
+    count_inserts,
+    count_samples,
+    folded_inserts,
+    RateLimiter,
+)
 from ._rates import Rate
 from ._streams import Streams
 from ._windows import Window
@@ -265,10 +272,7 @@ class RateLimited(eqx.Module, metaclass=_ByFamily):
 def _check_limiter(buffer: Any, limiter: Any, call: str) -> tuple[Any, UInt32[Array, " s"]]:
     """The limiter, checked against the buffer's capacity, and zero pending inserts for each
     of the buffer's shards, placed where they are."""
-    if not isinstance(limiter, RateLimiter):
-        raise TypeError(
-            f"`{call}(limiter=...)` must be a `RateLimiter`, got {type(limiter).__name__}."
-        )
+    limiter = checked_limiter(limiter, f"{call}(limiter=...)")
     if isinstance(buffer, RateLimited):
         raise TypeError(f"`{call}(buffer=...)` is already rate-limited: wrap its buffer.")
     shards = buffer.num_shards
@@ -772,3 +776,13 @@ def _check_capacity(limiter: RateLimiter, capacity: int, units: str, call: str) 
             f"above the buffer's capacity of {capacity} {units}: sampling could never start. "
             "Lower min_size_to_sample, or give the buffer more room."
         )
+
+
+def checked_rate_limited(limited: Any, call: str) -> RateLimited:
+    """`limited` if it is a `RateLimited`, else a `TypeError` quoting `call`."""
+    if not isinstance(limited, RateLimited):
+        raise TypeError(
+            f"`{call}` must be a `RateLimited` (a buffer and its `RateLimiter`), got "
+            f"{type(limited).__name__}."
+        )
+    return limited

@@ -511,3 +511,10 @@ def checked_amount(
         f"deadlock the limiter (its deadlock check holds for {kind}s of at most {most} {unit})"
     )
     return jnp.where(bad, 0, value), [(bad, message)]
+
+
+def checked_limiter(limiter: Any, call: str) -> RateLimiter:
+    """`limiter` if it is a `RateLimiter`, else a `TypeError` quoting `call`."""
+    if not isinstance(limiter, RateLimiter):
+        raise TypeError(f"`{call}` must be a `RateLimiter`, got {type(limiter).__name__}.")
+    return limiter

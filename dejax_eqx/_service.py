@@ -24,7 +24,7 @@ from ._abstract import AbstractTrajectoryBuffer, Source
 from ._checks import check_bool, check_nonnegative_float, check_positive_int, plural
 from ._nstep import NStep
 from ._policy_age import PolicyAge
-from ._rate_limited import insert_units, RateLimited
+from ._rate_limited import checked_rate_limited, insert_units, RateLimited
 from ._rates import Rate
 from ._shard_map import run
 from ._windows import Window
@@ -578,11 +578,7 @@ class ReplayService:
         **Raises:** `TypeError` if `limited` is not a `RateLimited`; `ValueError` for a
         global buffer whose processes hold unequal numbers of shards.
         """
-        if not isinstance(limited, RateLimited):
-            raise TypeError(
-                "`ReplayService(limited=...)` must be a `RateLimited` (a buffer and its "
-                f"`RateLimiter`), got {type(limited).__name__}."
-            )
+        limited = checked_rate_limited(limited, "ReplayService(limited=...)")
         self._donate = check_bool(donate, "ReplayService(donate=...)")
         self._limiter = limited.limiter
         inserts, samples = limited.counts()

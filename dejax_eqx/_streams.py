@@ -1,7 +1,7 @@
 """Per-env streams of steps: the storage under every trajectory buffer, as `CircularBuffer` is
 under every replay. The only code that knows where a step of a stream sits."""
 
-from typing import cast, NamedTuple, TypeVar
+from typing import Any, cast, NamedTuple, TypeVar
 
 import equinox as eqx
 import jax
@@ -476,3 +476,19 @@ def gather_steps(
     """Per row, `size` consecutive steps of env `env` from its `back`-th newest step (as
     `window_slots`). Unchecked."""
     return gather_at(streams, env[:, None], window_slots(streams, env, back, size), data)
+
+
+def checked_streams(
+    streams: Any, num_envs: int, max_length: int, item_spec: PyTree, call: str
+) -> Streams:
+    """`streams` if it is a `Streams` of this configuration, else an error quoting `call`."""
+    if not isinstance(streams, Streams):
+        raise TypeError(f"`{call}`: expected a `dx.Streams`, got {type(streams).__name__}.")
+    mine = (num_envs, max_length, item_spec)
+    theirs = (streams.num_envs, streams.max_length, streams.item_spec)
+    if mine != theirs:
+        raise ValueError(
+            f"`{call}`: the streams have (num_envs, max_length, steps) = {theirs}, but "
+            f"this buffer has {mine}."
+        )
+    return streams

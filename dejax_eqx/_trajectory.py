@@ -1,7 +1,7 @@
 """TrajectoryBuffer: per-env streams with a replay window and an online queue."""
 
-from collections.abc import Mapping
-from typing import Any, TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any, cast, ClassVar, TypeVar
 
 import equinox as eqx
 import jax
@@ -71,10 +71,10 @@ class TrajectoryBuffer(AbstractTrajectoryBuffer):
     Both share one storage: the online queue costs no memory.
 
     `sample` draws windows, described by a `Window` (its parts, period, strictness and
-    episode-end policy), with replacement, over all envs and admissible starts together;
-    `sample_transitions` draws n-step transitions described by an `NStep`. A sample costs
-    O(num_envs + W + batch_size · W), whatever `max_length` (the method is in
-    `dejax_eqx/README.md`).
+    episode-end policy), with replacement, over all envs and admissible starts together, or
+    n-step transitions, described by an `NStep`; `source` picks the replay window, the online
+    queue, or a number of rows from each. A sample costs O(num_envs + W + batch_size · W),
+    whatever `max_length` (the method is in `dejax_eqx/README.md`).
 
     **Errors.** Arguments known at trace time (a window longer than `max_length`, items that
     do not match the prototype, ...) raise `ValueError`/`TypeError` at once. Faults in the data
@@ -100,7 +100,7 @@ class TrajectoryBuffer(AbstractTrajectoryBuffer):
         @eqx.filter_jit(donate="all-except-first")
         def train_step(key, buf, steps, env_ids):
             buf = buf.add(steps, env_ids=env_ids)  # only these envs advance
-            sample = buf.sample_mixed(key, 12, 4, window)
+            sample = buf.sample(key, 16, window, source={"replay": 12, "online": 4})
             return buf, sample
 
         env_ids = np.array([5, 1, 6], np.int32)  # e.g. info["env_id"] from envpool's recv()
@@ -187,38 +187,17 @@ class TrajectoryBuffer(AbstractTrajectoryBuffer):
                 "and transitions of a TrajectoryBuffer have none. Give `age` too, or leave "
                 "`beta` out."
             )
-        faults: list[Fault] = []
-        if isinstance(what, NStep):
-            what.check(self.item_spec, self.max_length, call)
-            if distribution_power is not None:
-                raise TypeError(
-                    f"`{call}(distribution_power=...)` weighs the starts of windows; n-step "
-                    "transitions are drawn uniformly. Leave it out."
-                )
-            if discount is None:
-                raise TypeError(f"`{call}`: an `NStep` needs `discount=`, the per-step discount.")
-            gamma, faults = check_discount(discount, call)
-            parts = [TransitionsLaw(what, gamma, s) for s in sources]
-        elif isinstance(what, Window):
-            what.check(self.item_spec, self.max_length, call)
-            if discount is not None:
-                raise TypeError(
-                    f"`{call}(discount=...)` is for n-step transitions (`what` an `NStep`); a "
-                    "window has none."
-                )
-            power, faults = check_power(
-                1.0 if distribution_power is None else distribution_power, call
-            )
-            parts = [WindowLaw(what, power, s) for s in sources]
-        else:
+        parts_of = _PARTS.get(type(what))
+        if parts_of is None:
             raise TypeError(
                 f"`{call}`: `what` must be a `dx.Window` (windows) or a `dx.NStep` (n-step "
                 f"transitions), got {what!r}."
             )
+        parts, faults = parts_of(self, what, sources, distribution_power, discount, call)
         if age is not None:
             beta, beta_faults = check_beta(1.0 if beta is None else beta, call, jnp.float32)
             faults += beta_faults
-            noun = "window start" if isinstance(what, Window) else "transition start"
+            noun = parts[0].noun
             parts = [AgedLaw(part, self, age, noun=noun, call=call) for part in parts]
         if isinstance(source, Mapping):
             return MixedLaw(tuple(parts), tuple(sources.values()), call), faults
@@ -254,12 +233,12 @@ class TrajectoryBuffer(AbstractTrajectoryBuffer):
             episode_ends=episode_ends,
             done=done,
         )
-        if not isinstance(what, NStep):
+        if options or type(what) not in _PARTS:  # the deprecated form of a `Window`
             what = as_window(what, options, call)
         return super().sample(
             key,
             batch_size,
-            what,
+            cast(Window | NStep, what),
             distribution_power=distribution_power,
             source=source,
             discount=discount,
@@ -409,6 +388,54 @@ def _sources(source: Any, call: str) -> dict[Source, int]:
     )
 
 
+def _window_parts(
+    buffer: TrajectoryBuffer,
+    window: Window,
+    sources: dict[Source, int],
+    distribution_power: Real[ArrayLike, ""] | None,
+    discount: Real[ArrayLike, ""] | None,
+    call: str,
+) -> tuple[list["WindowLaw"], list[Fault]]:
+    """The laws of `window` from each source, and the faults of their arguments."""
+    window.check(buffer.item_spec, buffer.max_length, call)
+    if discount is not None:
+        raise TypeError(
+            f"`{call}(discount=...)` is for n-step transitions (`what` an `NStep`); a window "
+            "has none."
+        )
+    power, faults = check_power(1.0 if distribution_power is None else distribution_power, call)
+    return [WindowLaw(window, power, s) for s in sources], faults
+
+
+def _transition_parts(
+    buffer: TrajectoryBuffer,
+    nstep: NStep,
+    sources: dict[Source, int],
+    distribution_power: Real[ArrayLike, ""] | None,
+    discount: Real[ArrayLike, ""] | None,
+    call: str,
+) -> tuple[list["TransitionsLaw"], list[Fault]]:
+    """The laws of `nstep`'s transitions from each source, and the faults of their
+    arguments."""
+    nstep.check(buffer.item_spec, buffer.max_length, call)
+    if distribution_power is not None:
+        raise TypeError(
+            f"`{call}(distribution_power=...)` weighs the starts of windows; n-step "
+            "transitions are drawn uniformly. Leave it out."
+        )
+    if discount is None:
+        raise TypeError(f"`{call}`: an `NStep` needs `discount=`, the per-step discount.")
+    gamma, faults = check_discount(discount, call)
+    return [TransitionsLaw(nstep, gamma, s) for s in sources], faults
+
+
+# What a trajectory buffer draws, by the type of `what` (each type its law).
+_PARTS: dict[type, Callable[..., tuple[list[Any], list[Fault]]]] = {
+    Window: _window_parts,
+    NStep: _transition_parts,
+}
+
+
 def check_power(distribution_power: Real[ArrayLike, ""], call: str) -> tuple[Array, list[Fault]]:
     """`distribution_power` as a float32 scalar, and the fault of a value that is not finite."""
     power = check_real_scalar(distribution_power, call, "distribution_power")
@@ -458,6 +485,7 @@ class WindowLaw(AbstractEnumerableLaw):
     window: Window
     power: Float[Array, ""]
     source: Source = eqx.field(static=True)
+    noun: ClassVar[str] = "window start"  # what one candidate is, in policy age's messages
 
     def summary(self, buffer: TrajectoryBuffer) -> PyTree[Array]:
         return buffer.lengths(self.source), buffer.step_count
@@ -523,6 +551,7 @@ class TransitionsLaw(AbstractEnumerableLaw):
     nstep: NStep
     gamma: Float[Array, ""]
     source: Source = eqx.field(static=True)
+    noun: ClassVar[str] = "transition start"  # what one candidate is, in policy age's messages
 
     @property
     def _law(self) -> Law:

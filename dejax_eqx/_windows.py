@@ -219,6 +219,24 @@ class Window(eqx.Module):
             needs.append(f"a step number that is a multiple of period = {self.period}")
         return " and ".join(needs) or "a stored step"
 
+    def masked_as(self, what: Any, call: str) -> "Window":
+        """`what`, a `Window` of this window's parts (`sequence_length`, `burn_in`,
+        `bootstrap`, `period`, `strict`) that may mask episode ends otherwise: how a buffer
+        that draws its own windows is asked to mask them. Else an error quoting `call`."""
+        if not isinstance(what, Window):
+            raise TypeError(
+                f"`{call}`: a PrioritisedTrajectoryBuffer draws its own windows: `what` must be "
+                f"None or a `dx.Window` of the same parts, got {what!r}."
+            )
+        parts = lambda v: (v.sequence_length, v.burn_in, v.bootstrap, v.period, v.strict)  # noqa: E731
+        if parts(what) != parts(self):
+            raise ValueError(
+                f"`{call}`: the buffer's windows are (sequence_length, burn_in, bootstrap, "
+                f"period, strict) = {parts(self)}; a sample may mask them otherwise "
+                f"(`episode_ends`, `done`) but not change them, and {parts(what)} does."
+            )
+        return what
+
 
 def as_window(window: Any, options: dict[str, Any], call: str) -> Window:
     """`window` checked to be a `Window`; or, for one release, the old form: the learning

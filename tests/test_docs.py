@@ -299,18 +299,18 @@ def _exercise_every_fault_site() -> None:
         dx.importance_weights(jnp.array([0.5, 0.5]), 2, 0.4)
         clustered = clustered.add_batch(batch)
         clustered.sample(key, 2)
-        clustered.set_priorities(slots, slots, ones)
+        clustered.set_priorities((slots, slots), ones)
         trajectories = trajectories.add(batch).extend(rollout, env_ids=slots)
         trajectories.peek()
         for source in ("replay", "online"):
             trajectories.sample(key, 2, dx.Window(2), source=source)
             trajectories.sample(key, 2, dx.Window(1, burn_in=1, strict=True), source=source)
-        trajectories.sample_mixed(key, 1, 1, dx.Window(2))
-        trajectories.sample_mixed(
-            key, 1, 1, dx.Window(1, period=2, episode_ends="within", done="done")
-        )
+        mixed = {"replay": 1, "online": 1}
+        trajectories.sample(key, 2, dx.Window(2), source=mixed)
+        within = dx.Window(1, period=2, episode_ends="within", done="done")
+        trajectories.sample(key, 2, within, source=mixed)
         nstep = dx.NStep(1, reward="reward", terminated="done")
-        trajectories.sample_transitions(key, 2, nstep, discount=0.9)
+        trajectories.sample(key, 2, nstep, discount=0.9)
         trajectories.stale(slots, slots)
         trajectories.read(slots, slots, dx.Window(1))
         windows = windowed.add(batch)
@@ -318,7 +318,7 @@ def _exercise_every_fault_site() -> None:
         windows.set_priorities(drawn.env, drawn.start, ones)
         windows.stale(slots, slots)
         windows.stamp_of(slots)
-        windows.with_window_masses(windows.window_masses().mass)
+        windows.with_window_priorities(windows.window_priorities().mass)
         queue.add(batch).extend(rollout).pop(1)
         streams = streams.append(batch).extend(rollout, env_ids=slots)
         streams.newest()
@@ -327,10 +327,10 @@ def _exercise_every_fault_site() -> None:
         streams.restore(steps, jnp.array([4, 2], jnp.int32), jnp.array([4, 2], jnp.int32))
         # Policy age: `current` and `max_age` as arrays, whose range is checked at run time.
         age = dx.PolicyAge(lambda x: x["done"].astype(jnp.int32), jnp.asarray(3), jnp.asarray(2))
-        uniform.add_batch(batch).sample_by_age(key, 2, age)
-        prioritised.sample_by_age(key, 2, age)
-        trajectories.sample_by_age(key, 2, age, dx.Window(2))
-        windows.sample_by_age(key, 2, age)
+        uniform.add_batch(batch).sample(key, 2, age=age)
+        prioritised.sample(key, 2, age=age)
+        trajectories.sample(key, 2, dx.Window(2), age=age)
+        windows.sample(key, 2, age=age)
         # Rate limiting: a traced amount is checked at run time.
         limited = dx.RateLimited(uniform, dx.RateLimiter.sample_to_insert_ratio(1, 1, 4))
         n = jnp.asarray(1, jnp.int32)
@@ -355,6 +355,7 @@ def _exercise_every_fault_site() -> None:
         fbx.buffers.sum_tree.get_probability(state.sum_tree_state, sample.indices)
         fbx.buffers.sum_tree.sample(state.sum_tree_state, key)
         fbx.buffers.sum_tree.stratified_sample(state.sum_tree_state, 2, key)
+        fbx.buffers.sum_tree.get_tree_index(jnp.int32(1), jnp.int32(0))
 
     eqx.filter_eval_shape(run, buffers, jax.random.key(0))
     eqx.filter_eval_shape(flashbax_layer, jax.random.key(0))
@@ -388,7 +389,7 @@ def _exercise_global_buffers(item, window) -> None:
         b["prioritised"].set_priorities(sample.indices, ones)
         b["prioritised"].stale(sample.indices, sample.generations)
         b["clustered"].add_batch(batch).sample(key, 2)
-        b["clustered"].set_priorities(slots, slots, ones)
+        b["clustered"].set_priorities((slots, slots), ones)
         trajectories = b["trajectories"].add(batch).add(batch, env_ids=slots)
         trajectories.sample(key, 2, dx.Window(2))
         trajectories.stale(slots, slots)
@@ -398,6 +399,17 @@ def _exercise_global_buffers(item, window) -> None:
         b["queue"].add(batch).pop(1)
 
     eqx.filter_eval_shape(run, buffers, jax.random.key(0))
+
+    # Rate limiting over two shards: each counts its share of an insert, a sample folds them in.
+    two = jax.make_mesh((2,), ("replay",), devices=jax.devices()[:2])
+    limiter = dx.RateLimiter.min_size(1)
+    limited = dx.RateLimited(dx.GlobalReplay(two, makers["uniform"]), limiter)
+
+    def limit(limited, key):
+        limited = limited.add_batch(jax.tree.map(lambda x: jnp.stack([x, x]), item))
+        limited.sample(key, 1)
+
+    eqx.filter_eval_shape(limit, limited, jax.random.key(0))
 
 
 def test_every_fault_message_is_collected(monkeypatch):

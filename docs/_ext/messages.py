@@ -772,7 +772,45 @@ class _Package:
         self._visited: set = set()
         for root in self._roots():
             self._visit(root, {}, (), out)
+        out += self._renamed(out)
         return sorted(set(out), key=lambda m: (m.where, m.line, m.text, m.kind))
+
+    # A global buffer reports what its shards raise in `S.m` under its own call `G.m`
+    # (`_global.renamed`): those messages are the shards' templates with the global call.
+    _GLOBAL = {
+        "GlobalReplay": "AbstractReplay",
+        "GlobalTrajectoryBuffer": "AbstractTrajectoryBuffer",
+    }
+
+    def _renamed(self, found: list[Message]) -> list[Message]:
+        """The runtime templates of every shard class's `S.m`, for each global buffer `G` of
+        its family and method `m` of `G`, quoting `G.m`."""
+        modules = {name: module for module, src in self.sources.items() for name in src.classes}
+        out = []
+        for global_name, family in self._GLOBAL.items():
+            if global_name not in modules or family not in modules:
+                continue  # a package without global buffers
+            methods = {
+                name
+                for cls in self.mro(_Class(modules[global_name], global_name))
+                for name in self.sources[cls.module].methods.get(cls.name, {})
+                if not name.startswith("_")
+            }
+            shards = {
+                cls.name
+                for cls in self.subclasses(_Class(modules[family], family))
+                if not cls.name.startswith(("Abstract", "_", "Global", "RateLimited"))
+            }
+            for message in found:
+                head = message.template[0]
+                if message.kind != "runtime" or not isinstance(head, str):
+                    continue
+                match = re.match(r"`(\w+)\.(\w+)`", head)
+                if match is None or match[1] not in shards or match[2] not in methods:
+                    continue
+                renamed = f"`{global_name}.{match[2]}`" + head[match.end() :]
+                out.append(message._replace(template=(renamed, *message.template[1:])))
+        return out
 
 
 def package(root: pathlib.Path = PACKAGE) -> _Package:
