@@ -3,6 +3,7 @@
 import importlib.metadata
 
 from ._abstract import (
+    AbstractBuffer as AbstractBuffer,
     AbstractPrioritisedReplay as AbstractPrioritisedReplay,
     AbstractReplay as AbstractReplay,
     AbstractTrajectoryBuffer as AbstractTrajectoryBuffer,

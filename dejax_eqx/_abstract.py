@@ -27,6 +27,7 @@ from ._streams import check_newest, check_stale, checked_streams, Streams
 from ._windows import Window
 
 
+_B = TypeVar("_B", bound="AbstractBuffer")
 _R = TypeVar("_R", bound="AbstractReplay")
 _PR = TypeVar("_PR", bound="AbstractPrioritisedReplay")
 _T = TypeVar("_T", bound="AbstractTrajectoryBuffer")
@@ -57,7 +58,83 @@ class WindowPriorities(NamedTuple):
 Indices = Integer[ArrayLike, " n"] | tuple[Integer[ArrayLike, " n"], Integer[ArrayLike, " n"]]
 
 
-class AbstractReplay(eqx.Module):
+class AbstractBuffer(eqx.Module):
+    """What every buffer of either family has for the layers over it: whether it is itself a
+    layer, its shards (where a layer that counts per shard keeps its counts), and what a
+    layer that keeps the buffer elsewhere (a `Dataset`) keeps besides its contents: the
+    priorities of its windows and the counts of a rate-limited buffer (`None` where there
+    are none). `AbstractReplay` and `AbstractTrajectoryBuffer` inherit it; a buffer type of
+    your own inherits it through them."""
+
+    @property
+    def layered(self) -> bool:
+        """Whether this is a layer that keeps state of its own over other buffers (a global
+        buffer, a rate-limited one): such a buffer cannot be a shard or a cluster, whose
+        copies would each keep that state. `False` for a buffer."""
+        return False
+
+    @property
+    def num_shards(self) -> int:
+        """How many shards the buffer is split into: 1 (a global buffer has one per device
+        of its mesh axis). A layer that counts per shard (`RateLimited`) keeps one count per
+        shard, where the shard is."""
+        return 1
+
+    def place_shards(self, x: Array) -> Array:
+        """`x`, one row per shard, placed where the shards are (as it is, for one shard)."""
+        return x
+
+    def map_shards(self, fn: Callable[..., Any], per_shard: Any, shared: Any) -> Any:
+        """`fn(rows, shared, axis, num_shards) -> (rows, shared)` on each shard, where it is:
+        `per_shard` has one row per shard (leading axis `num_shards`, as `place_shards`
+        places it) and `fn` gets this shard's; `shared` is the same everywhere; `axis` names
+        the mesh axis of the shards for collectives inside `fn` (`None` for one shard). The
+        rows `fn` returns keep a leading axis of 1, the `shared` it returns must be the same
+        in every shard."""
+        rows = jax.tree.map(lambda x: x[0], per_shard)
+        return fn(rows, shared, None, 1)
+
+    # --- what a layer that keeps a buffer elsewhere (a `Dataset`) keeps besides its steps --
+
+    def priority_settings(self) -> dict[str, Any] | None:
+        """What the masses of this buffer's windows depend on (`priority_exponent`, the
+        window's `period` and size), read from the static configuration alone; `None` for a
+        buffer whose windows carry no priorities."""
+        return None
+
+    def window_priorities(self) -> WindowPriorities | None:
+        """The priorities of every window this buffer holds, and its largest priority; `None`
+        for a buffer whose windows carry no priorities."""
+        return None
+
+    def with_window_priorities(
+        self: _B,
+        masses: Real[ArrayLike, "num_envs leaves"],
+        *,
+        max_priority: Real[ArrayLike, ""],
+    ) -> _B:
+        """The buffer with the masses of the windows it holds set, as `window_priorities`
+        gives them (`NaN`: none known, the window gets the mass of `max_priority`), and
+        `max_priority`.
+
+        **Raises:** `TypeError` for a buffer whose windows carry no priorities.
+        """
+        name = type(self).__name__
+        raise TypeError(f"`{name}.with_window_priorities`: a {name} has no priorities.")
+
+    def counts(self) -> tuple[int, int] | None:
+        """The inserts and samples a rate-limited buffer has counted, or `None` for a buffer
+        that counts nothing."""
+        return None
+
+    def with_counts(self: _B, counts: tuple[int, int] | None) -> _B:
+        """The buffer with counts that were kept elsewhere (a `Dataset`'s record of a
+        rate-limited buffer; `None`: none were kept). A buffer that counts nothing is
+        returned as it is."""
+        return self
+
+
+class AbstractReplay(AbstractBuffer):
     """The surface every replay buffer shares, and the law every layer draws it by.
 
     A replay stores items (pytrees of arrays with the prototype's structure, shapes and dtypes)
@@ -93,13 +170,6 @@ class AbstractReplay(eqx.Module):
 
         Known at trace time. Wrappers (`ClusteredReplay`) check their items against it.
         """
-
-    @property
-    def layered(self) -> bool:
-        """Whether this is a layer that keeps state of its own over other buffers (a global
-        buffer, a rate-limited one): such a buffer cannot be a shard or a cluster, whose
-        copies would each keep that state. `False` for a buffer."""
-        return False
 
     @abc.abstractmethod
     def add(self: _R, item: PyTree[ArrayLike]) -> _R:
@@ -198,29 +268,6 @@ class AbstractReplay(eqx.Module):
         `fn` is vectorised over the stored items and must keep each item's structure, shapes
         and dtypes (checked at trace time).
         """
-
-    # --- shards: where the layers that count per shard keep their counts ------------------
-
-    @property
-    def num_shards(self) -> int:
-        """How many shards the buffer is split into: 1 (a global buffer has one per device
-        of its mesh axis). A layer that counts per shard (`RateLimited`) keeps one count per
-        shard, where the shard is."""
-        return 1
-
-    def place_shards(self, x: Array) -> Array:
-        """`x`, one row per shard, placed where the shards are (as it is, for one shard)."""
-        return x
-
-    def map_shards(self, fn: Callable[..., Any], per_shard: Any, shared: Any) -> Any:
-        """`fn(rows, shared, axis, num_shards) -> (rows, shared)` on each shard, where it is:
-        `per_shard` has one row per shard (leading axis `num_shards`, as `place_shards`
-        places it) and `fn` gets this shard's; `shared` is the same everywhere; `axis` names
-        the mesh axis of the shards for collectives inside `fn` (`None` for one shard). The
-        rows `fn` returns keep a leading axis of 1, the `shared` it returns must be the same
-        in every shard."""
-        rows = jax.tree.map(lambda x: x[0], per_shard)
-        return fn(rows, shared, None, 1)
 
     def add_and_sample(
         self: _R, items: PyTree[ArrayLike], key: PRNGKeyArray, batch_size: int
@@ -331,7 +378,7 @@ class AbstractPrioritisedReplay(AbstractReplay):
         """
 
 
-class AbstractTrajectoryBuffer(eqx.Module):
+class AbstractTrajectoryBuffer(AbstractBuffer):
     """The surface every trajectory buffer shares: per-env streams of steps.
 
     Made for actors that step environments asynchronously, such as envpool's async mode, where
@@ -381,13 +428,6 @@ class AbstractTrajectoryBuffer(eqx.Module):
         """Each env's write cursor: the slot its next step goes to, `step_count mod
         max_length`, an int32 array of shape `(num_envs,)`."""
         return self.streams.head
-
-    @property
-    def layered(self) -> bool:
-        """Whether this is a layer that keeps state of its own over other buffers (a global
-        buffer, a rate-limited one): such a buffer cannot be a shard or a cluster, whose
-        copies would each keep that state. `False` for a buffer."""
-        return False
 
     @abc.abstractmethod
     def add(
@@ -457,10 +497,8 @@ class AbstractTrajectoryBuffer(eqx.Module):
         *,
         mask: Bool[ArrayLike, "*n"] | None = None,
     ) -> PyTree[Array]:
-        """The newest step of each listed env.
-
-        Useful in an actor loop, e.g. to read the latest observation of the envs that were
-        just returned.
+        """The newest step of each listed env (in an actor loop: the latest observation of
+        the envs just returned).
 
         **Arguments:**
 
@@ -595,68 +633,6 @@ class AbstractTrajectoryBuffer(eqx.Module):
             call=call,
         )
         return sample_with(law, self, key, batch_size, faults, call)
-
-    # --- shards: where the layers that count per shard keep their counts ------------------
-
-    @property
-    def num_shards(self) -> int:
-        """How many shards the buffer is split into: 1 (a global buffer has one per device
-        of its mesh axis). A layer that counts per shard (`RateLimited`) keeps one count per
-        shard, where the shard is."""
-        return 1
-
-    def place_shards(self, x: Array) -> Array:
-        """`x`, one row per shard, placed where the shards are (as it is, for one shard)."""
-        return x
-
-    def map_shards(self, fn: Callable[..., Any], per_shard: Any, shared: Any) -> Any:
-        """`fn(rows, shared, axis, num_shards) -> (rows, shared)` on each shard, where it is:
-        `per_shard` has one row per shard (leading axis `num_shards`, as `place_shards`
-        places it) and `fn` gets this shard's; `shared` is the same everywhere; `axis` names
-        the mesh axis of the shards for collectives inside `fn` (`None` for one shard). The
-        rows `fn` returns keep a leading axis of 1, the `shared` it returns must be the same
-        in every shard."""
-        rows = jax.tree.map(lambda x: x[0], per_shard)
-        return fn(rows, shared, None, 1)
-
-    # --- what a layer that keeps a buffer elsewhere (a `Dataset`) keeps besides steps -------
-
-    def priority_settings(self) -> dict[str, Any] | None:
-        """What the masses of this buffer's windows depend on (`priority_exponent`, the
-        window's `period` and size), read from the static configuration alone; `None` for a
-        buffer whose windows carry no priorities."""
-        return None
-
-    def window_priorities(self) -> WindowPriorities | None:
-        """The priorities of every window this buffer holds, and its largest priority; `None`
-        for a buffer whose windows carry no priorities."""
-        return None
-
-    def with_window_priorities(
-        self: _T,
-        masses: Real[ArrayLike, "num_envs leaves"],
-        *,
-        max_priority: Real[ArrayLike, ""],
-    ) -> _T:
-        """The buffer with the masses of the windows it holds set, as `window_priorities`
-        gives them (`NaN`: none known, the window gets the mass of `max_priority`), and
-        `max_priority`.
-
-        **Raises:** `TypeError` for a buffer whose windows carry no priorities.
-        """
-        name = type(self).__name__
-        raise TypeError(f"`{name}.with_window_priorities`: a {name} has no priorities.")
-
-    def counts(self) -> tuple[int, int] | None:
-        """The inserts and samples a rate-limited buffer has counted, or `None` for a buffer
-        that counts nothing."""
-        return None
-
-    def with_counts(self: _T, counts: tuple[int, int] | None) -> _T:
-        """The buffer with counts that were kept elsewhere (a `Dataset`'s record of a
-        rate-limited buffer; `None`: none were kept). A buffer that counts nothing is
-        returned as it is."""
-        return self
 
     # --- names: env ids, for the calls that take stamps back ---------------------------------
 

@@ -251,10 +251,7 @@ class Dataset:
         self._writer.begin(call)
         per_env = {int(e): [x[i] for x in host] for i, e in enumerate(rows)}
         self._files.write(self.lengths, per_env, call)
-        manifest = dataclasses.replace(
-            self._manifest, length=(self.lengths + new).tolist(), writes=self._manifest.writes + 1
-        )
-        self._commit(manifest, call)
+        self._commit(self._manifest, new, call)
 
     def write(self, buffer: AbstractTrajectoryBuffer) -> int:
         """Append the steps each env of `buffer` took since the previous write; return how
@@ -282,7 +279,7 @@ class Dataset:
         `TypeError` for a traced or abstract buffer, and `RuntimeError` as for `append`.
         """
         call = "Dataset.write"
-        t, manifest, priorities, new, start = self._planned(buffer, call)
+        t, manifest, priorities, new, start = _planned(self._manifest, buffer, call)
         self._writer.begin(call)
         steps = _newest(t, new)
         per_env = {int(e): [x[e, : new[e]] for x in steps] for e in np.flatnonzero(new)}
@@ -290,35 +287,20 @@ class Dataset:
         if priorities is not None:
             period = manifest.priorities["period"]  # pyright: ignore[reportOptionalSubscript]
             manifest = _with_segment(self._files, manifest, priorities, period, start, call)
-        manifest = dataclasses.replace(
-            manifest, length=(self.lengths + new).tolist(), writes=manifest.writes + 1
-        )
-        self._commit(manifest, call)
+        self._commit(manifest, new, call)
         return int(new.sum())
 
     def check_write(self, buffer: AbstractTrajectoryBuffer) -> int:
         """What `write(buffer)` would check, and nothing written: the number of steps it would
         write, or the error it would raise (see `write`). For a writer of several datasets
         that must refuse before it writes any (`GlobalTrajectoryBuffer.write_datasets`)."""
-        return int(self._planned(buffer, "Dataset.write")[3].sum())
+        return int(_planned(self._manifest, buffer, "Dataset.write")[3].sum())
 
-    def _planned(self, buffer: AbstractTrajectoryBuffer, call: str) -> tuple:
-        """`write`'s checks, before any I/O: the streams, the manifest to commit (but for its
-        lengths), the window priorities, the new steps of each env, and each env's start."""
-        t = _streams_of(buffer, self._manifest, call, "the buffer")
-        _check_host(t, call, "the buffer's leaves")
-        count = np.asarray(t.step_count, np.int64)
-        stored = np.asarray(t.lengths, np.int64)
-        manifest = self._manifest
-        if manifest.writes == 0 and not self.lengths.any():
-            manifest = dataclasses.replace(manifest, start=(count - stored).tolist())
-        start = np.asarray(manifest.start, np.int64)
-        new = _new_steps(count, stored, start + self.lengths, t.max_length, call)
-        manifest, priorities = _with_settings(manifest, buffer, call)
-        _check_count(self.ends, new, call)
-        return t, manifest, priorities, new, start
-
-    def _commit(self, manifest: Manifest, call: str) -> None:
+    def _commit(self, manifest: Manifest, new: np.ndarray, call: str) -> None:
+        """Commit `manifest` with each env's `new` steps and one more write counted."""
+        manifest = dataclasses.replace(
+            manifest, length=(self.lengths + new).tolist(), writes=manifest.writes + 1
+        )
         if _BEFORE_COMMIT is not None:
             _BEFORE_COMMIT(self)
         self._writer.commit(manifest, call)
@@ -399,18 +381,48 @@ class Dataset:
         call = "Dataset.load"
         template = _template(self._manifest, like, call)  # before any reading
         ends, kept = self.ends, np.minimum(self.lengths, template.max_length)
-        data = [
-            np.zeros((self.num_envs, template.max_length, *leaf["shape"]), leaf["dtype"])
-            for leaf in self._manifest.leaves
-        ]
-        for e in np.flatnonzero(kept):
-            lo = int(self.lengths[e] - kept[e])
-            values = self._files.read(int(e), lo, int(self.lengths[e]), call)
-            for out, x in zip(data, values):
-                out[e, : kept[e]] = x
+        data = _newest_stored(self._files, self._manifest, kept, template.max_length, call)
         steps = jax.tree.unflatten(jax.tree.structure(self._spec), data)
         buffer = like.with_streams(template.restore(steps, ends, kept))
         return _restored(self._files, self._manifest, buffer, call)
+
+
+def _planned(manifest: Manifest, buffer: AbstractTrajectoryBuffer, call: str) -> tuple:
+    """`write`'s checks of `buffer` against the dataset of `manifest`, before any I/O: the
+    streams, the manifest to commit (but for its lengths), the window priorities, the new
+    steps of each env, and each env's start."""
+    t = _streams_of(buffer, manifest, call, "the buffer")
+    _check_host(t, call, "the buffer's leaves")
+    count = np.asarray(t.step_count, np.int64)
+    stored = np.asarray(t.lengths, np.int64)
+    lengths = np.asarray(manifest.length, np.int64)
+    ends = np.asarray(manifest.start, np.int64) + lengths
+    planned = manifest
+    if planned.writes == 0 and not lengths.any():
+        planned = dataclasses.replace(planned, start=(count - stored).tolist())
+    start = np.asarray(planned.start, np.int64)
+    new = _new_steps(count, stored, start + lengths, t.max_length, call)
+    planned, priorities = _with_settings(planned, buffer, call)
+    _check_count(ends, new, call)
+    return t, planned, priorities, new, start
+
+
+def _newest_stored(
+    files: Files, manifest: Manifest, kept: np.ndarray, max_length: int, call: str
+) -> list[np.ndarray]:
+    """Per leaf, `[num_envs, max_length]` on the host: the first `kept[e]` entries of row `e`
+    are env e's newest `kept[e]` stored steps, oldest first (zeros past them)."""
+    lengths = np.asarray(manifest.length, np.int64)
+    data = [
+        np.zeros((manifest.num_envs, max_length, *leaf["shape"]), leaf["dtype"])
+        for leaf in manifest.leaves
+    ]
+    for e in np.flatnonzero(kept):
+        lo = int(lengths[e] - kept[e])
+        values = files.read(int(e), lo, int(lengths[e]), call)
+        for out, x in zip(data, values):
+            out[e, : kept[e]] = x
+    return data
 
 
 def _range(

@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, ArrayLike, Bool, PRNGKeyArray, PyTree
 
-from ._checks import as_float, check_positive_int, plural
+from ._checks import as_float, check_mask, check_positive_int, plural
 from ._faults import check_faults, collect_faults, Fault, guarded
 from ._laws import AbstractLaw
 from ._shard_map import (
@@ -313,18 +313,21 @@ class AbstractGlobalBuffer(eqx.Module, Generic[_B]):
     # ------------------------------------------------------------------ machinery
 
     def _split(self, tree: PyTree[Array], call: str) -> None:
-        for x in jax.tree.leaves(tree):
-            if x.ndim == 0 or x.shape[0] % self.num_shards:
-                raise ValueError(
-                    f"`{call}`: the rows are split into {self.num_shards} equal blocks, one per "
-                    f"shard; an argument of shape {x.shape} has a leading axis that "
-                    f"{self.num_shards} does not divide."
-                )
+        check_blocks(tree, self.num_shards, call)
 
-    def _update(self: _G, fn: Callable[..., Any], *blocks: Any) -> _G:
-        """`fn(shard, *blocks) -> shard` on every shard, `blocks` split over the shards."""
-        shards = self.layout.update(self.shards, fn, *blocks, sharded=True)
-        return eqx.tree_at(lambda g: g.shards, self, shards)
+    def _run(self: _G, fn: Callable[..., Any], *args: Any) -> _G:
+        """The buffer whose shards are `fn(layout, shards, *args)`'s (`run`: `add_blocks` or
+        `routed_write`)."""
+        return eqx.tree_at(lambda g: g.shards, self, run(fn, self.layout, self.shards, *args))
+
+    def _sample_union(
+        self, law: AbstractLaw, faults: list[Fault], key: PRNGKeyArray, batch_size: int, call: str
+    ) -> Any:
+        """`sample_union` by a shard's `law`, with the `faults` of its arguments (both what the
+        template's `law` gives)."""
+        door = Door.of(faults)
+        args = (law, door.preds, door.messages, key, batch_size, call)
+        return run(sample_union, self.layout, self.shards, *args)
 
 
 # ---------------------------------------------------------------------- construction helpers
@@ -518,6 +521,12 @@ def routed_query(
     return layout.map(shards, local, (names, args, mask, preds), P())
 
 
+def shard_call_of(buffer: AbstractGlobalBuffer, method: str) -> str:
+    """The call a shard's `method` names in its messages, which `renamed` gives the global
+    call's name."""
+    return f"{type(buffer.template).__name__}.{method}"
+
+
 def renamed(faults: list[tuple[Array, str]], shard_call: str, call: str) -> list[Fault]:
     """A shard's faults under the name of the global call that made them: a message that
     begins with the shard's call quotes the global one instead."""
@@ -551,6 +560,22 @@ def door_floats(
     their own dtype, with their own checks. The faults are those of a value too large."""
     dtype = jax.dtypes.canonicalize_dtype(np.float64)
     return as_float(values, dtype, call, name, mask=mask)
+
+
+def door_mask(mask: ArrayLike | None, n: int, call: str) -> Bool[Array, " n"]:
+    """The `mask` of `n` replicated entries, checked at the door (`None`: every entry)."""
+    return jnp.ones(n, jnp.bool_) if mask is None else check_mask(mask, n, call)
+
+
+def check_blocks(tree: PyTree[Array], num_shards: int, call: str) -> None:
+    """Refuse rows that do not split into `num_shards` equal blocks, one per shard."""
+    for x in jax.tree.leaves(tree):
+        if x.ndim == 0 or x.shape[0] % num_shards:
+            raise ValueError(
+                f"`{call}`: the rows are split into {num_shards} equal blocks, one per "
+                f"shard; an argument of shape {x.shape} has a leading axis that "
+                f"{num_shards} does not divide."
+            )
 
 
 def map_rows(layout: Layout, fn: Callable[..., Any], per_shard: Any, shared: Any) -> Any:

@@ -13,7 +13,6 @@ from ._checks import (
     check_generations,
     check_index,
     check_items,
-    check_mask,
     check_positive_int,
     check_vector,
     INT32_MAX,
@@ -24,9 +23,9 @@ from ._global import (
     add_blocks,
     Door,
     door_floats,
+    door_mask,
     routed_query,
     routed_write,
-    sample_union,
 )
 from ._laws import AbstractLaw
 from ._policy_age import PolicyAge
@@ -203,9 +202,7 @@ class GlobalReplay(AbstractGlobalBuffer, AbstractReplay):
         call = "GlobalReplay.sample"
         batch_size = check_positive_int(batch_size, f"{call}(batch_size=...)")
         law, faults = self.template.law(age=age, beta=beta, call=call)
-        door = Door.of(faults)
-        args = (law, door.preds, door.messages, key, batch_size, call)
-        return run(sample_union, self.layout, self.shards, *args)
+        return self._sample_union(law, faults, key, batch_size, call)
 
     def sample_unchecked(self, key: PRNGKeyArray, batch_size: int) -> Any:
         """`sample`: a global replay's draw always checks its faults, in every process."""
@@ -233,7 +230,7 @@ class GlobalReplay(AbstractGlobalBuffer, AbstractReplay):
         """
         call = "GlobalReplay.set_priorities"
         names, n, door = self._names(indices, call)
-        valid = _mask_of(mask, n, call)
+        valid = door_mask(mask, n, call)
         values = check_vector(priorities, n, call, "priorities")
         priorities, more = door_floats(values, call, "priorities", None if mask is None else valid)
         door += more
@@ -273,7 +270,7 @@ class GlobalReplay(AbstractGlobalBuffer, AbstractReplay):
         call = "GlobalReplay.stale"
         names, n, door = self._names(indices, call)
         generations = check_generations(generations, n, call)
-        valid = _mask_of(mask, n, call)
+        valid = door_mask(mask, n, call)
         return run(
             routed_query,
             self.layout,
@@ -348,7 +345,3 @@ def _note(shard: AbstractReplay, names: Any, priorities: Array, *rest: Any, mask
 
 def _stale(shard: AbstractReplay, names: Any, generations: Array, *, mask: Array) -> Array:
     return shard.stale(names, generations, mask=mask)
-
-
-def _mask_of(mask: Any, n: int, call: str) -> Array:
-    return jnp.ones(n, jnp.bool_) if mask is None else check_mask(mask, n, call)

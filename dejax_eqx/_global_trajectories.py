@@ -17,7 +17,6 @@ from ._abstract import AbstractTrajectoryBuffer, Source
 from ._checks import (
     check_index,
     check_items,
-    check_mask,
     check_mask_like,
     check_positive_int,
     check_sequences,
@@ -30,11 +29,13 @@ from ._faults import check_faults, collect_faults, Fault
 from ._global import (
     AbstractGlobalBuffer,
     add_blocks,
+    check_blocks,
     Door,
     door_floats,
+    door_mask,
     routed_query,
     routed_write,
-    sample_union,
+    shard_call_of,
 )
 from ._laws import AbstractLaw
 from ._nstep import NStep
@@ -103,16 +104,9 @@ class GlobalTrajectoryBuffer(AbstractGlobalBuffer, AbstractTrajectoryBuffer):
         arrays are the shards' with their first two axes merged (split over the mesh as the
         shards are)."""
         stacked = self.shards.streams
-        merge = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731
-        template = eqx.filter_eval_shape(
-            Streams, self.item_spec, self.num_envs, self.template.max_length
-        )
-        arrays = (
-            jax.tree.map(merge, stacked.data),
-            merge(stacked.step_count),
-            merge(stacked.lengths),
-        )
-        return eqx.tree_at(lambda s: (s.data, s.step_count, s.lengths), template, arrays)
+        arrays = (stacked.data, stacked.step_count, stacked.lengths)
+        merged = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), arrays)
+        return _with_arrays(_streams_shape(self, self.num_envs), merged)
 
     @property
     def num_envs(self) -> int:
@@ -147,7 +141,8 @@ class GlobalTrajectoryBuffer(AbstractGlobalBuffer, AbstractTrajectoryBuffer):
         """
         call = "GlobalTrajectoryBuffer.add"
         items, _ = check_items(self.item_spec, items, call, batched=True)
-        return self._append(items, env_ids, call, "add", _add)
+        blocks, door = _blocks(self, items, env_ids, call)
+        return self._run(add_blocks, _add, blocks, *Door.of(door), shard_call_of(self, "add"), call)
 
     def extend(
         self: _T, items: PyTree[ArrayLike], env_ids: Integer[ArrayLike, " n"] | None = None
@@ -155,7 +150,9 @@ class GlobalTrajectoryBuffer(AbstractGlobalBuffer, AbstractTrajectoryBuffer):
         """The shards' `extend` (`T` steps per listed env), split as `add`."""
         call = "GlobalTrajectoryBuffer.extend"
         items = check_sequences(self.item_spec, items, call)
-        return self._append(items, env_ids, call, "extend", _extend)
+        blocks, door = _blocks(self, items, env_ids, call)
+        shard_call = shard_call_of(self, "extend")
+        return self._run(add_blocks, _extend, blocks, *Door.of(door), shard_call, call)
 
     def with_streams(self: _T, streams: Streams) -> _T:
         """The shards' `with_streams`, shard `k` taking envs `env_range(k)` of `streams`."""
@@ -163,14 +160,9 @@ class GlobalTrajectoryBuffer(AbstractGlobalBuffer, AbstractTrajectoryBuffer):
         streams = self._check_streams(streams, call)
         # Rows split over the shards in equal blocks, as `add` splits its rows.
         arrays = (streams.data, streams.step_count, streams.lengths)
-        shard_call = f"{type(self.template).__name__}.with_streams"
-        template = eqx.filter_eval_shape(
-            Streams, self.item_spec, self.rows_per_shard, self.max_length
-        )
-        args = (_WithStreams(template), (arrays,), [], (), shard_call, call)
-        return eqx.tree_at(
-            lambda g: g.shards, self, run(add_blocks, self.layout, self.shards, *args)
-        )
+        fn = _WithStreams(_streams_shape(self, self.rows_per_shard))
+        shard_call = shard_call_of(self, "with_streams")
+        return self._run(add_blocks, fn, (arrays,), [], (), shard_call, call)
 
     # --- sampling ---------------------------------------------------------------------
 
@@ -239,9 +231,7 @@ class GlobalTrajectoryBuffer(AbstractGlobalBuffer, AbstractTrajectoryBuffer):
             age=age,
             call=call,
         )
-        door = Door.of(faults)
-        args = (law, door.preds, door.messages, key, batch_size, call)
-        return run(sample_union, self.layout, self.shards, *args)
+        return self._sample_union(law, faults, key, batch_size, call)
 
     def pop(self: _T, sequence_length: int) -> tuple[PyTree[Array], _T]:
         """The shards' `pop`: the `sequence_length` oldest unread steps of every env.
@@ -254,13 +244,12 @@ class GlobalTrajectoryBuffer(AbstractGlobalBuffer, AbstractTrajectoryBuffer):
         `pop`, in every process when any env is short (one all-reduce of a word).
         """
         call = "GlobalTrajectoryBuffer.pop"
-        template = self.template
         # A buffer that is not read once says so here, at once.
-        eqx.filter_eval_shape(lambda q: q.can_pop(1), template)
+        eqx.filter_eval_shape(lambda q: q.can_pop(1), self.template)
         length = check_positive_int(
-            sequence_length, f"{call}(sequence_length=...)", maximum=template.max_length
+            sequence_length, f"{call}(sequence_length=...)", maximum=self.max_length
         )
-        shard_call = f"{type(template).__name__}.pop"
+        shard_call = shard_call_of(self, "pop")
         items, shards = run(_pop, self.layout, self.shards, length, shard_call, call)
         return items, eqx.tree_at(lambda g: g.shards, self, shards)
 
@@ -288,14 +277,12 @@ class GlobalTrajectoryBuffer(AbstractGlobalBuffer, AbstractTrajectoryBuffer):
         that is negative or not finite.
         """
         call = "GlobalTrajectoryBuffer.set_priorities"
-        env, starts, n, door = self._stamps(env_ids, starts, call)
-        valid = _mask_of(mask, n, call)
+        env, starts, n, door = _stamps(self, env_ids, starts, call)
+        valid = door_mask(mask, n, call)
         values = check_vector(priorities, n, call, "priorities")
         priorities, more = door_floats(values, call, "priorities", None if mask is None else valid)
         args = (_set, _note, _split_envs, env, (starts, priorities), valid, *Door.of(door + more))
-        shard_call = f"{type(self.template).__name__}.set_priorities"
-        out = run(routed_write, self.layout, self.shards, *args, shard_call, call)
-        return eqx.tree_at(lambda g: g.shards, self, out)
+        return self._run(routed_write, *args, shard_call_of(self, "set_priorities"), call)
 
     def stale(
         self,
@@ -311,7 +298,7 @@ class GlobalTrajectoryBuffer(AbstractGlobalBuffer, AbstractTrajectoryBuffer):
         **Raises:** an `eqx.error_if` error, in every process, for an env id out of range or
         a start its env has not taken.
         """
-        return self._ask(_stale, "stale", env_ids, starts, mask)[0]
+        return _ask(self, _stale, "stale", env_ids, starts, mask)[0]
 
     def read(
         self,
@@ -323,7 +310,7 @@ class GlobalTrajectoryBuffer(AbstractGlobalBuffer, AbstractTrajectoryBuffer):
     ) -> Any:
         """The shards' `read` with global stamps: each window read again by the shard of its
         env, and put together in every device (one all-reduce of the windows)."""
-        out, env = self._ask(_Read(window), "read", env_ids, starts, mask)
+        out, env = _ask(self, _Read(window), "read", env_ids, starts, mask)
         return out._replace(env=env)
 
     def peek(
@@ -337,44 +324,7 @@ class GlobalTrajectoryBuffer(AbstractGlobalBuffer, AbstractTrajectoryBuffer):
         if env_ids is None:
             env_ids = jnp.arange(self.num_envs, dtype=jnp.int32)
         starts = jnp.zeros(jnp.shape(env_ids), jnp.int32)
-        return self._ask(_peek, "peek", env_ids, starts, mask)[0]
-
-    def _ask(
-        self, ask: Callable[..., Any], method: str, env_ids: Any, starts: Any, mask: Any
-    ) -> tuple[Any, Array]:
-        """`ask` on the shard of each entry's env, and the checked global env ids."""
-        call = f"GlobalTrajectoryBuffer.{method}"
-        env, starts, n, door = self._stamps(env_ids, starts, call, flat=False)
-        shape = env.shape
-        valid = jnp.ones(shape, jnp.bool_) if mask is None else check_mask_like(mask, env, call)
-        flat = (env.reshape(-1), starts.reshape(-1), valid.reshape(-1))
-        shard_call = f"{type(self.template).__name__}.{method}"
-        args = (ask, _split_envs, flat[0], (flat[1],), flat[2], *Door.of(door))
-        out = run(routed_query, self.layout, self.shards, *args, shard_call, call)
-        return jax.tree.map(lambda x: x.reshape(*shape, *x.shape[1:]), out), env
-
-    def _stamps(
-        self, env_ids: Any, starts: Any, call: str, *, flat: bool = True
-    ) -> tuple[Array, Array, int, list[Fault]]:
-        """Global stamps, checked in their own dtype (never wrapped on the way to int32),
-        their number, and the faults of an env id out of range."""
-        ndim = 1 if flat else None
-        env, bad = check_index(env_ids, self.num_envs, f"{call}(env_ids=...)", ndim=ndim)
-        start, bad_start = check_index(starts, INT32_MAX, f"{call}(starts=...)", ndim=ndim)
-        if env.shape != start.shape:
-            raise ValueError(
-                f"`{call}`: `env_ids` has shape {env.shape} and `starts` {start.shape}; they "
-                "must match, one start per env id."
-            )
-        faults: list[Fault] = [
-            (bad, f"`{call}`: an env id is outside [0, num_envs) = [0, {self.num_envs})"),
-            (
-                ~bad & bad_start,
-                f"`{call}`: a start is not a step of its env (negative, or not yet taken); "
-                "stamps must come from this buffer",
-            ),
-        ]
-        return jnp.where(bad, 0, env), start, int(np.prod(env.shape)), faults
+        return _ask(self, _peek, "peek", env_ids, starts, mask)[0]
 
     def write_datasets(
         self, root: str | os.PathLike, *, chunk_length: int = 1024, sync: bool = True
@@ -394,34 +344,7 @@ class GlobalTrajectoryBuffer(AbstractGlobalBuffer, AbstractTrajectoryBuffer):
         (see `Dataset.write`): all of them are checked first.
         """
         call = "GlobalTrajectoryBuffer.write_datasets"
-        root = Path(root)
-        _check_shards_on_disk(root, self.num_shards, call, writing=True)
-        local = self.local_shards()
-        datasets = []
-        try:
-            shards = []
-            for j, k in enumerate(self.local_shard_ids):
-                shard = jax.tree.map(
-                    lambda x: jnp.asarray(x[j]) if isinstance(x, np.ndarray) else x, local
-                )
-                path = root / _shard_name(k)
-                if path.exists():
-                    dataset = Dataset.open(path, shard, sync=sync)
-                    datasets.append(dataset)
-                    dataset.check_write(shard)  # every shard checked before any is written
-                shards.append((path, shard))
-            written = 0
-            for (path, shard), dataset in zip(shards, _opened(shards, datasets)):
-                if dataset is None:
-                    dataset = Dataset.create(
-                        path, shard.item_spec, shard.num_envs, chunk_length=chunk_length, sync=sync
-                    )
-                    datasets.append(dataset)
-                written += dataset.write(shard)
-            return written
-        finally:
-            for dataset in datasets:
-                dataset.close()
+        return _write_datasets(self, Path(root), chunk_length, sync, call)
 
     @classmethod
     def load_datasets(
@@ -443,57 +366,8 @@ class GlobalTrajectoryBuffer(AbstractGlobalBuffer, AbstractTrajectoryBuffer):
         """
         call = "GlobalTrajectoryBuffer.load_datasets"
         template = cls.abstract(mesh, make, axis=axis)
-        _check_shards_on_disk(Path(root), template.num_shards, call, writing=False)
-        like = eqx.filter_eval_shape(make)
-        shards = []
-        for k in template.local_shard_ids:
-            path = Path(root) / _shard_name(k)
-            dataset = Dataset.open(path, like)
-            try:
-                shards.append(dataset.load(like))
-            finally:
-                dataset.close()
-        local = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *shards)
+        local = _read_datasets(template, Path(root), make, call)
         return cls.from_process_local(mesh, local, axis=template.axis)
-
-    def _append(
-        self: _T, items: PyTree[Array], env_ids: Any, call: str, method: str, fn: Any
-    ) -> _T:
-        k, n = self.rows_per_shard, self.num_shards
-        shard_call = f"{type(self.template).__name__}.{method}"
-        if env_ids is None:
-            for x in jax.tree.leaves(items):
-                if x.shape[0] != self.num_envs:
-                    raise ValueError(
-                        f"`{call}`: with `env_ids=None`, each leaf of `items` needs a leading "
-                        f"axis of num_envs = {self.num_envs} ({n} shards of {k} envs); got "
-                        f"shape {x.shape}."
-                    )
-            args = (fn, (items, None), [], (), shard_call, call)
-            return eqx.tree_at(
-                lambda g: g.shards, self, run(add_blocks, self.layout, self.shards, *args)
-            )
-        ids, bad = check_index(env_ids, self.num_envs, f"{call}(env_ids=...)", ndim=1)
-        self._split((items, ids), call)
-        # Block s must name envs of shard s: checked where the block lands, in the process
-        # that holds the shard, which made those rows.
-        block = ids.shape[0] // n
-        shard = jnp.repeat(jnp.arange(n, dtype=jnp.int32), block)
-        local = ids - shard * k
-        foreign = ~bad & ((local < 0) | (local >= k))
-        door: list[Fault] = [
-            (bad, f"`{call}`: an env id is outside [0, num_envs) = [0, {self.num_envs})"),
-            (
-                foreign,
-                f"`{call}`: rows of block s of `env_ids` must name envs of shard s (s · {k} "
-                f"<= env id < (s + 1) · {k}); a process adds only to its own envs",
-            ),
-        ]
-        local = jnp.where(bad | foreign, k, local)  # out of range for the shard: dropped
-        args = (fn, (items, local), *Door.of(door), shard_call, call)
-        return eqx.tree_at(
-            lambda g: g.shards, self, run(add_blocks, self.layout, self.shards, *args)
-        )
 
 
 class _WithStreams(eqx.Module):
@@ -502,8 +376,7 @@ class _WithStreams(eqx.Module):
     template: Streams = eqx.field(static=True)  # a shard's streams, as shapes
 
     def __call__(self, shard: AbstractTrajectoryBuffer, arrays: Any) -> Any:
-        streams = eqx.tree_at(lambda s: (s.data, s.step_count, s.lengths), self.template, arrays)
-        return shard.with_streams(streams)
+        return shard.with_streams(_with_arrays(self.template, arrays))
 
 
 class _Read(eqx.Module):
@@ -543,8 +416,98 @@ def _peek(shard: Any, env: Array, starts: Array, *, mask: Array) -> Any:
     return shard.peek(env, mask=mask)
 
 
-def _mask_of(mask: Any, n: int, call: str) -> Array:
-    return jnp.ones(n, jnp.bool_) if mask is None else check_mask(mask, n, call)
+def _streams_shape(buffer: GlobalTrajectoryBuffer, num_envs: int) -> Streams:
+    """The streams of `num_envs` envs of the buffer's items and `max_length`, as shapes."""
+    return eqx.filter_eval_shape(Streams, buffer.item_spec, num_envs, buffer.max_length)
+
+
+def _with_arrays(streams: Streams, arrays: Any) -> Streams:
+    """`streams` holding `arrays`: its `(data, step_count, lengths)`."""
+    return eqx.tree_at(lambda s: (s.data, s.step_count, s.lengths), streams, arrays)
+
+
+def _outside(bad: Bool[Array, "*n"], call: str, num_envs: int) -> Fault:
+    """The fault of a global env id outside the buffer's envs."""
+    return (bad, f"`{call}`: an env id is outside [0, num_envs) = [0, {num_envs})")
+
+
+def _blocks(
+    buffer: GlobalTrajectoryBuffer, items: PyTree[Array], env_ids: Any, call: str
+) -> tuple[tuple[PyTree[Array], Array | None], list[Fault]]:
+    """What `add`/`extend` give each shard, `(items, env ids of the shard)` split over the
+    shards, and the faults of the env ids. With `env_ids=None`, every env's row in order
+    (and `None` for the env ids)."""
+    k, n, num_envs = buffer.rows_per_shard, buffer.num_shards, buffer.num_envs
+    if env_ids is None:
+        for x in jax.tree.leaves(items):
+            if x.shape[0] != num_envs:
+                raise ValueError(
+                    f"`{call}`: with `env_ids=None`, each leaf of `items` needs a leading "
+                    f"axis of num_envs = {num_envs} ({n} shards of {k} envs); got "
+                    f"shape {x.shape}."
+                )
+        return (items, None), []
+    ids, bad = check_index(env_ids, num_envs, f"{call}(env_ids=...)", ndim=1)
+    check_blocks((items, ids), n, call)
+    # Block s must name envs of shard s: checked where the block lands, in the process
+    # that holds the shard, which made those rows.
+    block = ids.shape[0] // n
+    shard = jnp.repeat(jnp.arange(n, dtype=jnp.int32), block)
+    local = ids - shard * k
+    foreign = ~bad & ((local < 0) | (local >= k))
+    door: list[Fault] = [
+        _outside(bad, call, num_envs),
+        (
+            foreign,
+            f"`{call}`: rows of block s of `env_ids` must name envs of shard s (s · {k} "
+            f"<= env id < (s + 1) · {k}); a process adds only to its own envs",
+        ),
+    ]
+    local = jnp.where(bad | foreign, k, local)  # out of range for the shard: dropped
+    return (items, local), door
+
+
+def _ask(
+    buffer: GlobalTrajectoryBuffer,
+    ask: Callable[..., Any],
+    method: str,
+    env_ids: Any,
+    starts: Any,
+    mask: Any,
+) -> tuple[Any, Array]:
+    """`ask` on the shard of each entry's env (`stale`, `read`, `peek`), and the checked
+    global env ids."""
+    call = f"GlobalTrajectoryBuffer.{method}"
+    env, starts, _, door = _stamps(buffer, env_ids, starts, call, flat=False)
+    valid = jnp.ones(env.shape, jnp.bool_) if mask is None else check_mask_like(mask, env, call)
+    flat = (env.reshape(-1), (starts.reshape(-1),), valid.reshape(-1))
+    args = (ask, _split_envs, *flat, *Door.of(door), shard_call_of(buffer, method), call)
+    out = run(routed_query, buffer.layout, buffer.shards, *args)
+    return jax.tree.map(lambda x: x.reshape(*env.shape, *x.shape[1:]), out), env
+
+
+def _stamps(
+    buffer: GlobalTrajectoryBuffer, env_ids: Any, starts: Any, call: str, *, flat: bool = True
+) -> tuple[Array, Array, int, list[Fault]]:
+    """Global stamps, checked in their own dtype (never wrapped on the way to int32), their
+    number, and the faults of an env id out of range."""
+    ndim, num_envs = (1 if flat else None), buffer.num_envs
+    env, bad = check_index(env_ids, num_envs, f"{call}(env_ids=...)", ndim=ndim)
+    start, bad_start = check_index(starts, INT32_MAX, f"{call}(starts=...)", ndim=ndim)
+    if env.shape != start.shape:
+        raise ValueError(
+            f"`{call}`: `env_ids` has shape {env.shape} and `starts` {start.shape}; they "
+            "must match, one start per env id."
+        )
+    faults: list[Fault] = [
+        _outside(bad, call, num_envs),
+        (
+            ~bad & bad_start,
+            f"`{call}`: a start is not a step of its env (negative, or not yet taken); "
+            "stamps must come from this buffer",
+        ),
+    ]
+    return jnp.where(bad, 0, env), start, int(np.prod(env.shape)), faults
 
 
 def _pop(layout: Layout, shards: Any, length: int, shard_call: str, call: str) -> Any:
@@ -563,6 +526,57 @@ def _pop(layout: Layout, shards: Any, length: int, shard_call: str, call: str) -
         return check_faults(items, [fault], order_reads=False), queue
 
     return layout.map(shards, local, (), P(axis), module=True)
+
+
+def _write_datasets(
+    buffer: GlobalTrajectoryBuffer, root: Path, chunk_length: int, sync: bool, call: str
+) -> int:
+    """`write_datasets`: this process's shards, each to its dataset under `root`, every one
+    checked before any is written; the number of steps written."""
+    _check_shards_on_disk(root, buffer.num_shards, call, writing=True)
+    local = buffer.local_shards()
+    datasets = []
+    try:
+        shards = []
+        for j, k in enumerate(buffer.local_shard_ids):
+            shard = jax.tree.map(
+                lambda x: jnp.asarray(x[j]) if isinstance(x, np.ndarray) else x, local
+            )
+            path = root / _shard_name(k)
+            if path.exists():
+                dataset = Dataset.open(path, shard, sync=sync)
+                datasets.append(dataset)
+                dataset.check_write(shard)  # every shard checked before any is written
+            shards.append((path, shard))
+        written = 0
+        for (path, shard), dataset in zip(shards, _opened(shards, datasets)):
+            if dataset is None:
+                dataset = Dataset.create(
+                    path, shard.item_spec, shard.num_envs, chunk_length=chunk_length, sync=sync
+                )
+                datasets.append(dataset)
+            written += dataset.write(shard)
+        return written
+    finally:
+        for dataset in datasets:
+            dataset.close()
+
+
+def _read_datasets(
+    template: GlobalTrajectoryBuffer, root: Path, make: Callable[[], Any], call: str
+) -> Any:
+    """`load_datasets`: the shards of this process's devices on `template`'s mesh, read from
+    their datasets under `root` into `make()`, stacked as `from_process_local` takes them."""
+    _check_shards_on_disk(root, template.num_shards, call, writing=False)
+    like = eqx.filter_eval_shape(make)
+    shards = []
+    for k in template.local_shard_ids:
+        dataset = Dataset.open(root / _shard_name(k), like)
+        try:
+            shards.append(dataset.load(like))
+        finally:
+            dataset.close()
+    return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *shards)
 
 
 def _shard_name(shard: int) -> str:

@@ -127,7 +127,7 @@ class PrioritisedTrajectoryBuffer(AbstractTrajectoryBuffer, HasPriorities):
         prototype: Prototype,
         num_envs: int,
         max_length: int,
-        window: Window | int,
+        window: Window | int | None = None,
         *,
         priority_exponent: float = 0.6,
         stratified: bool = False,
@@ -186,27 +186,13 @@ class PrioritisedTrajectoryBuffer(AbstractTrajectoryBuffer, HasPriorities):
         self: _PT, items: PyTree[ArrayLike], env_ids: Integer[ArrayLike, " n"] | None = None
     ) -> _PT:
         call = "PrioritisedTrajectoryBuffer.add"
-        return self._appended(check_append(self.streams, items, env_ids, call, sequences=False))
+        return _appended(self, check_append(self.streams, items, env_ids, call, sequences=False))
 
     def extend(
         self: _PT, items: PyTree[ArrayLike], env_ids: Integer[ArrayLike, " n"] | None = None
     ) -> _PT:
         call = "PrioritisedTrajectoryBuffer.extend"
-        return self._appended(check_append(self.streams, items, env_ids, call, sequences=True))
-
-    def _appended(self: _PT, done: Appended) -> _PT:
-        """The buffer after a checked append: the windows that entered get `max_priority`,
-        those that left 0, in one update of the tree."""
-        if done.length == 0:
-            return self
-        leaves, write, entered = _changes(done, self.window, self.leaves_per_env)
-        masses = jnp.where(entered, self.priorities.new_mass(), 0)
-        # One check for the call, on the new counters and the vectors the tree is written from.
-        trajectories, (leaves, masses) = append_checked(self.trajectories, done, (leaves, masses))
-        priorities = self.priorities.write(leaves, masses, mask=write, unique=done.length == 1)
-        return eqx.tree_at(
-            lambda b: (b.trajectories, b.priorities), self, (trajectories, priorities)
-        )
+        return _appended(self, check_append(self.streams, items, env_ids, call, sequences=True))
 
     def with_streams(self: _PT, streams: Streams) -> _PT:
         streams = self._check_streams(streams, "PrioritisedTrajectoryBuffer.with_streams")
@@ -218,29 +204,6 @@ class PrioritisedTrajectoryBuffer(AbstractTrajectoryBuffer, HasPriorities):
         leaves = jnp.arange(held.shape[0], dtype=jnp.int32)
         written = fresh.write(leaves, masses, unique=True)
         return eqx.tree_at(lambda b: b.priorities, new, written)
-
-    def _masking(self, what: Any, call: str) -> Window:
-        """The window a sample reads: the buffer's own, or `what`, a window of the same parts
-        that masks episode ends otherwise."""
-        w = self.window
-        if what is None:
-            return w
-        what = w.masked_as(what, call)
-        what.check(self.item_spec, self.max_length, call)
-        return what
-
-    def _deprecated_masking(self, options: dict[str, Any], call: str) -> Window:
-        """The deprecated `sample(episode_ends=..., done=...)`: the buffer's window, masked
-        so."""
-        warnings.warn(
-            f"`{call}`: `episode_ends` and `done` are deprecated here; give them to a "
-            "`Window` of the buffer's parts, as `what` (removed in the next release).",
-            DeprecationWarning,
-            stacklevel=4,
-        )
-        w = self.window
-        parts = dict(burn_in=w.burn_in, bootstrap=w.bootstrap, period=w.period, strict=True)
-        return Window(w.sequence_length, **parts, **options)
 
     def law(
         self,
@@ -261,22 +224,8 @@ class PrioritisedTrajectoryBuffer(AbstractTrajectoryBuffer, HasPriorities):
         law times each window's age weight (an `AgedSample` of `SequenceSample`s, its indices
         the leaves, its weights toward the age-weighted target). Faults: no window admissible
         yet, every window of priority 0, a total mass that is not finite, a bad `beta`."""
-        window = self._masking(what, call)
-        for name, value in [
-            ("distribution_power", distribution_power),
-            ("discount", discount),
-        ]:
-            if value is not None:
-                raise TypeError(
-                    f"`{call}({name}=...)`: a PrioritisedTrajectoryBuffer draws its windows "
-                    "by priority; it takes no `{name}`. The online queue's windows are drawn "
-                    "from `buffer.trajectories`."
-                )
-        if source is not None and source != "replay":
-            raise TypeError(
-                f"`{call}(source=...)`: a PrioritisedTrajectoryBuffer draws its windows by "
-                "priority from its replay; draw the online queue from `buffer.trajectories`."
-            )
+        window = _masking(self, what, call)
+        _refuse_online(distribution_power, discount, source, call)
         dtype = self.priorities.max_priority.dtype
         beta, faults = check_beta(1.0 if beta is None else beta, call, dtype)
         k, capacity = self.num_envs, self.priorities.tree.capacity
@@ -304,10 +253,7 @@ class PrioritisedTrajectoryBuffer(AbstractTrajectoryBuffer, HasPriorities):
         """As `AbstractTrajectoryBuffer.sample`. `episode_ends` and `done` are the deprecated
         form of a `Window` that masks otherwise."""
         if episode_ends is not None or done is not None:
-            options = {"episode_ends": episode_ends, "done": done}
-            what = self._deprecated_masking(
-                {k: v for k, v in options.items() if v is not None}, f"{_NAME}.sample"
-            )
+            what = _deprecated_masking(self.window, episode_ends, done, f"{_NAME}.sample")
         return super().sample(
             key,
             batch_size,
@@ -433,38 +379,8 @@ class PrioritisedTrajectoryBuffer(AbstractTrajectoryBuffer, HasPriorities):
         `max_priority` below 1 or not finite.
         """
         call = "PrioritisedTrajectoryBuffer.with_window_priorities"
-        k, capacity = self.leaves_per_env, self.priorities.tree.capacity
-        if tuple(jnp.shape(masses)) != (self.num_envs, k):
-            raise ValueError(
-                f"`{call}`: `masses` has shape {tuple(jnp.shape(masses))}, expected (num_envs, "
-                f"leaves_per_env) = ({self.num_envs}, {k})."
-            )
-        # Reshaped where it is (not `jnp.asarray`, which would wrap an int64 mass first).
-        if isinstance(masses, jax.Array | np.ndarray):
-            masses = masses.reshape(-1)
-        flat = check_vector(masses, capacity, call, "masses")
-        held = self.window_priorities().held.reshape(-1)
-        dtype = self.priorities.max_priority.dtype
-        flat, faults = as_float(flat, dtype, call, "masses", mask=held)
-        top = self.priorities.max_priority
-        if max_priority is not None:
-            top, top_faults = as_float(
-                check_real_scalar(max_priority, call, "max_priority"), dtype, call, "max_priority"
-            )
-            faults += top_faults
-        flat = jnp.where(held, jnp.where(jnp.isnan(flat), self.priorities.mass(top), flat), 0)
-        faults += [
-            (
-                ~(jnp.isfinite(flat) & (flat >= 0)),
-                f"`{call}`: masses must be finite and non-negative",
-            ),
-            (
-                ~(jnp.isfinite(top) & (top >= 1)),
-                f"`{call}`: `max_priority` must be finite and at least 1",
-            ),
-        ]
-        flat, top = check_faults((flat, top), faults)
-        leaves = jnp.arange(capacity, dtype=jnp.int32)
+        flat, top = _window_masses(self, masses, max_priority, call)
+        leaves = jnp.arange(self.priorities.tree.capacity, dtype=jnp.int32)
         new = self.priorities.write(leaves, flat, top, unique=True)
         return eqx.tree_at(lambda b: b.priorities, self, new)
 
@@ -478,9 +394,116 @@ def stamps_of(
     return env, latest_start(buffer.step_count[env], leaves % k, w.size, w.period, k)
 
 
+def _appended(buffer: _PT, done: Appended) -> _PT:
+    """The buffer after a checked append: the windows that entered get `max_priority`, those
+    that left 0, in one update of the tree."""
+    if done.length == 0:
+        return buffer
+    leaves, write, entered = _changes(done, buffer.window, buffer.leaves_per_env)
+    masses = jnp.where(entered, buffer.priorities.new_mass(), 0)
+    # One check for the call, on the new counters and the vectors the tree is written from.
+    trajectories, (leaves, masses) = append_checked(buffer.trajectories, done, (leaves, masses))
+    priorities = buffer.priorities.write(leaves, masses, mask=write, unique=done.length == 1)
+    return eqx.tree_at(lambda b: (b.trajectories, b.priorities), buffer, (trajectories, priorities))
+
+
+def _masking(buffer: PrioritisedTrajectoryBuffer, what: Any, call: str) -> Window:
+    """The window a sample reads: the buffer's own, or `what`, a window of the same parts
+    that masks episode ends otherwise."""
+    w = buffer.window
+    if what is None:
+        return w
+    what = w.masked_as(what, call)
+    what.check(buffer.item_spec, buffer.max_length, call)
+    return what
+
+
+def _deprecated_masking(
+    window: Window, episode_ends: EpisodeEnds | None, done: Any, call: str
+) -> Window:
+    """The deprecated `sample(episode_ends=..., done=...)`: the buffer's `window`, masked
+    so."""
+    options = {"episode_ends": episode_ends, "done": done}
+    warnings.warn(
+        f"`{call}`: `episode_ends` and `done` are deprecated here; give them to a "
+        "`Window` of the buffer's parts, as `what` (removed in the next release).",
+        DeprecationWarning,
+        stacklevel=4,
+    )
+    w, given = window, {k: v for k, v in options.items() if v is not None}
+    parts = dict(burn_in=w.burn_in, bootstrap=w.bootstrap, period=w.period, strict=True)
+    return Window(w.sequence_length, **parts, **given)
+
+
+def _refuse_online(distribution_power: Any, discount: Any, source: Any, call: str) -> None:
+    """Refuse, in `law`, the options of the online queue's law: the windows are drawn by
+    priority, from the replay."""
+    for name, value in [
+        ("distribution_power", distribution_power),
+        ("discount", discount),
+    ]:
+        if value is not None:
+            raise TypeError(
+                f"`{call}({name}=...)`: a PrioritisedTrajectoryBuffer draws its windows "
+                f"by priority; it takes no `{name}`. The online queue's windows are drawn "
+                "from `buffer.trajectories`."
+            )
+    if source is not None and source != "replay":
+        raise TypeError(
+            f"`{call}(source=...)`: a PrioritisedTrajectoryBuffer draws its windows by "
+            "priority from its replay; draw the online queue from `buffer.trajectories`."
+        )
+
+
+def _window_masses(
+    buffer: PrioritisedTrajectoryBuffer,
+    masses: Real[ArrayLike, "num_envs leaves"],
+    max_priority: Real[ArrayLike, ""] | None,
+    call: str,
+) -> tuple[Float[Array, " capacity"], Float[Array, ""]]:
+    """`with_window_priorities`' masses, one per sum-tree leaf (a held window's NaN made the
+    mass of `max_priority`, a leaf that holds no window 0), and `max_priority`, checked."""
+    k, capacity = buffer.leaves_per_env, buffer.priorities.tree.capacity
+    if tuple(jnp.shape(masses)) != (buffer.num_envs, k):
+        raise ValueError(
+            f"`{call}`: `masses` has shape {tuple(jnp.shape(masses))}, expected (num_envs, "
+            f"leaves_per_env) = ({buffer.num_envs}, {k})."
+        )
+    # Reshaped where it is (not `jnp.asarray`, which would wrap an int64 mass first).
+    if isinstance(masses, jax.Array | np.ndarray):
+        masses = masses.reshape(-1)
+    flat = check_vector(masses, capacity, call, "masses")
+    held = buffer.window_priorities().held.reshape(-1)
+    dtype = buffer.priorities.max_priority.dtype
+    flat, faults = as_float(flat, dtype, call, "masses", mask=held)
+    top = buffer.priorities.max_priority
+    if max_priority is not None:
+        top, top_faults = as_float(
+            check_real_scalar(max_priority, call, "max_priority"), dtype, call, "max_priority"
+        )
+        faults += top_faults
+    flat = jnp.where(held, jnp.where(jnp.isnan(flat), buffer.priorities.mass(top), flat), 0)
+    faults += [
+        (
+            ~(jnp.isfinite(flat) & (flat >= 0)),
+            f"`{call}`: masses must be finite and non-negative",
+        ),
+        (
+            ~(jnp.isfinite(top) & (top >= 1)),
+            f"`{call}`: `max_priority` must be finite and at least 1",
+        ),
+    ]
+    flat, top = check_faults((flat, top), faults)
+    return flat, top
+
+
 def _whole_windows(window: Any, options: dict[str, Any], streams: Streams, call: str) -> Window:
     """The constructor's `window`: strict, fitting the streams, and never two stored windows
     in one leaf."""
+    if window is None:  # the deprecated form given by keyword: `sequence_length=...`
+        if "sequence_length" not in options:
+            raise TypeError(f"`{call}`: missing the `window`, a strict `dx.Window`.")
+        window = options.pop("sequence_length")
     window = as_whole_window(
         window, options, call, "the items of a prioritised buffer are whole windows"
     )

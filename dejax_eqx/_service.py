@@ -239,6 +239,17 @@ class _Gate:
                 poll = None if exchange is None else _POLL
                 self._wait(deadline, timeout, "actor", why, call, poll=poll)
 
+    def fold(self, exchange: Callable[[int, bool], tuple[int, bool]]) -> int:
+        """Exchange the counts with the other processes, as no active actor (no lock held
+        while the collective runs), fold this process's inserts into them, and return the
+        global inserts."""
+        with self.cond:
+            local = self.local
+        inserts = exchange(local, False)[0]
+        with self.cond:
+            self.inserts, self.local = inserts, self.local - local
+        return inserts
+
     def end_sample(self, n: int, done: bool) -> None:
         """Finish a sample of `n` rows; uncount it if it did not run (`done` false)."""
         with self.cond:
@@ -445,6 +456,78 @@ class _Cell:
                 return buffer, self.published, self.gate.samples
 
 
+def _shares(buffer: Any) -> int:
+    """The processes a buffer is spread across (1 for one held whole by this process).
+
+    **Raises:** `ValueError` if its shards are not spread evenly over them.
+    """
+    shares = jax.process_count() if buffer.num_shards > 1 else 1
+    if buffer.num_shards % shares:
+        raise ValueError(
+            f"`ReplayService`: the buffer's {buffer.num_shards} shards are not spread "
+            f"evenly over {shares} processes; each process needs the same number."
+        )
+    return shares
+
+
+def _insert(
+    cell: _Cell, op: Callable[..., Any], args: tuple, n: int, noun: str, timeout: Any, call: str
+) -> None:
+    """Wait until the law lets `n` items (`noun`s) in, then `op` on the buffer: the count is
+    committed once its buffer is published, and given back if it raises."""
+    timeout = _timeout(timeout, call)
+    _check_amount(cell.gate.rate, n, "insert", noun, call)
+    cell.gate.pass_insert(n, noun, timeout, call)
+    published = False
+    try:
+        cell.write(op, args, call, n)
+        published = True
+    finally:
+        cell.gate.end_insert(n, published)
+
+
+def _draw(
+    cell: _Cell,
+    op: Callable[..., Any],
+    rows: int,
+    args: tuple,
+    timeout: Any,
+    call: str,
+    exchange: Callable[[int, bool], tuple[int, bool]] | None,
+) -> Any:
+    """Wait until the law lets `rows` rows through, then `op` on the buffer: `_pop` consumes
+    it (`_Cell.write`), a sample reads it. The count is given back if it raises."""
+    timeout = _timeout(timeout, call)
+    _check_amount(cell.gate.rate, rows, "sample", "row", call)
+    cell.gate.pass_sample(rows, timeout, call, exchange)
+    done = False
+    try:
+        out = cell.write(op, args, call) if op is _pop else cell.read(op, args, call)
+        done = True
+    finally:
+        cell.gate.end_sample(rows, done)
+    return out
+
+
+def _sample_options(
+    buffer: Any, trajectories: bool, what: Window | NStep | None, given: dict[str, Any], call: str
+) -> dict[str, Any]:
+    """`sample`'s options given (those not `None`), checked at the door, before any wait: the
+    law they ask for is made (from the buffer's static configuration) and dropped."""
+    options = {name: value for name, value in given.items() if value is not None}
+    if not trajectories and (what is not None or set(options) - {"beta", "age"}):
+        raise TypeError(
+            f"`{call}`: a replay's `sample` takes `age` and `beta` only; "
+            f"{sorted(set(options) - {'beta', 'age'}) or ['what']} are a trajectory "
+            "buffer's."
+        )
+    if trajectories:
+        buffer.law(what, **options, call=call)
+    else:
+        buffer.law(**options, call=call)
+    return options
+
+
 class Membership:
     """An actor or a learner of a `ReplayService`, counted in from `service.actor()` or
     `service.learner()` until its context exits (once; exiting again does nothing)."""
@@ -583,15 +666,11 @@ class ReplayService:
         self._limiter = limited.limiter
         inserts, samples = limited.counts()
         buffer = limited.buffer
-        shares = jax.process_count() if buffer.num_shards > 1 else 1
-        if buffer.num_shards % shares:
-            raise ValueError(
-                f"`ReplayService`: the buffer's {buffer.num_shards} shards are not spread "
-                f"evenly over {shares} processes; each process needs the same number."
-            )
+        shares = _shares(buffer)
         self._gate = _Gate(self._limiter.rate, inserts, samples, shares)
         self._cell = _Cell(buffer, self._donate, inserts, self._gate)
         self._trajectories = isinstance(buffer, AbstractTrajectoryBuffer)
+        self._noun = "step" if self._trajectories else "item"
         self._envs = buffer.num_envs if isinstance(buffer, AbstractTrajectoryBuffer) else 0
         self._exchange = None if shares == 1 else self._cell.exchange
 
@@ -627,11 +706,8 @@ class ReplayService:
         call = "ReplayService.add"
         if not self._trajectories and env_ids is not None:
             raise TypeError(f"`{call}`: a replay's `add` takes one item, and no `env_ids`.")
-        if self._trajectories:
-            n = insert_units(items, call, steps=False)
-        else:
-            n = 1
-        self._insert(_add, (items, env_ids), n, timeout, call)
+        n = insert_units(items, call, steps=False) if self._trajectories else 1
+        _insert(self._cell, _add, (items, env_ids), n, self._noun, timeout, call)
 
     def add_batch(
         self,
@@ -648,7 +724,7 @@ class ReplayService:
         if self._trajectories:
             raise TypeError(f"`{call}`: a trajectory buffer takes `add` and `extend`.")
         n = insert_units(items, call, steps=False, mask=mask)
-        self._insert(_add_batch, (items, priorities, mask), n, timeout, call)
+        _insert(self._cell, _add_batch, (items, priorities, mask), n, self._noun, timeout, call)
 
     def extend(
         self,
@@ -664,19 +740,7 @@ class ReplayService:
         if not self._trajectories:
             raise TypeError(f"`{call}`: a replay takes `add` and `add_batch`.")
         n = insert_units(items, call, steps=True)
-        self._insert(_extend, (items, env_ids), n, timeout, call)
-
-    def _insert(self, op: Callable[..., Any], args: tuple, n: int, timeout: Any, call: str) -> None:
-        timeout = _timeout(timeout, call)
-        noun = "step" if self._trajectories else "item"
-        _check_amount(self.rate, n, "insert", noun, call)
-        self._gate.pass_insert(n, noun, timeout, call)
-        published = False
-        try:
-            self._cell.write(op, args, call, n)
-            published = True
-        finally:
-            self._gate.end_insert(n, published)
+        _insert(self._cell, _extend, (items, env_ids), n, self._noun, timeout, call)
 
     # --- samples and updates ------------------------------------------------------------------
 
@@ -712,20 +776,9 @@ class ReplayService:
             "beta": beta,
             "age": age,
         }
-        options = {name: value for name, value in given.items() if value is not None}
-        if not self._trajectories and (what is not None or set(options) - {"beta", "age"}):
-            raise TypeError(
-                f"`{call}`: a replay's `sample` takes `age` and `beta` only; "
-                f"{sorted(set(options) - {'beta', 'age'}) or ['what']} are a trajectory "
-                "buffer's."
-            )
-        # The arguments checked at the door, before any wait: the law they ask for is made
-        # (from the buffer's static configuration) and dropped.
-        if self._trajectories:
-            self._cell.buffer.law(what, **options, call=call)
-        else:
-            self._cell.buffer.law(**options, call=call)
-        return self._draw(_sample, rows, (key, batch_size, what, options), timeout, call)
+        options = _sample_options(self._cell.buffer, self._trajectories, what, given, call)
+        args = (key, batch_size, what, options)
+        return _draw(self._cell, _sample, rows, args, timeout, call, self._exchange)
 
     def pop(self, sequence_length: int, *, timeout: float | None = None) -> PyTree[Array]:
         """Wait until the law allows `num_envs` rows, then a trajectory queue's `pop`: the
@@ -736,29 +789,8 @@ class ReplayService:
         call = "ReplayService.pop"
         if not self._trajectories:
             raise TypeError(f"`{call}`: a replay is sampled, not read once.")
-        rows = self._envs
-        timeout = _timeout(timeout, call)
-        _check_amount(self.rate, rows, "sample", "row", call)
-        self._gate.pass_sample(rows, timeout, call, self._exchange)
-        done = False
-        try:
-            out = self._cell.write(_pop, (sequence_length,), call)
-            done = True
-        finally:
-            self._gate.end_sample(rows, done)
-        return out
-
-    def _draw(self, op: Callable, rows: int, args: tuple, timeout: Any, call: str) -> Any:
-        timeout = _timeout(timeout, call)
-        _check_amount(self.rate, rows, "sample", "row", call)
-        self._gate.pass_sample(rows, timeout, call, self._exchange)
-        done = False
-        try:
-            out = self._cell.read(op, args, call)
-            done = True
-        finally:
-            self._gate.end_sample(rows, done)
-        return out
+        args = (sequence_length,)
+        return _draw(self._cell, _pop, self._envs, args, timeout, call, self._exchange)
 
     def update(self, fn: Callable[..., Any], *args: PyTree[ArrayLike]) -> None:
         """Replace the buffer by `fn(buffer, *args)`, compiled, uncounted: for
@@ -792,11 +824,7 @@ class ReplayService:
         """
         buffer, inserts, samples = self._cell.copy("ReplayService.snapshot")
         if self._exchange is not None:
-            with self._gate.cond:
-                local = self._gate.local
-            inserts = self._cell.exchange(local, False)[0] + 0 * inserts
-            with self._gate.cond:
-                self._gate.inserts, self._gate.local = inserts, self._gate.local - local
+            inserts = self._gate.fold(self._exchange)
         return RateLimited(buffer, self._limiter.with_counts(inserts, samples))
 
     def counts(self) -> tuple[int, int]:
