@@ -639,11 +639,16 @@ _PROTOCOL = {
     "num_shards": _STATIC,
     "place_shards": f"where a layer keeps per-shard counts ({_LAYERS})",
     "map_shards": f"a layer's code on each shard ({_LAYERS})",
+    "counts": f"None for a buffer that counts nothing ({_LAYERS})",
+    "with_counts": f"the buffer as it is for a buffer that counts nothing ({_LAYERS})",
+    "priority_settings": f"static: what a dataset keeps of the priorities ({_LAYERS})",
 }
 _NO_PRIORITIES = "refused at once for a buffer without priorities (tests/test_layers.py)"
 _REPLAY_PROTOCOL = {
     **_PROTOCOL,
     "split_indices": f"how a name maps to its shard ({_LAYERS})",
+    "window_priorities": f"None: a replay has no windows ({_LAYERS})",
+    "with_window_priorities": f"refused at once: a replay has no windows ({_LAYERS})",
 }
 _REPLAY_WITHOUT_PRIORITIES = {
     "set_priorities": _NO_PRIORITIES,
@@ -653,9 +658,6 @@ _REPLAY_WITHOUT_PRIORITIES = {
 _TRAJECTORY_PROTOCOL = {
     **_PROTOCOL,
     "split_envs": f"how an env id maps to its shard ({_LAYERS})",
-    "counts": f"None for a buffer that counts nothing ({_LAYERS})",
-    "with_counts": f"the buffer as it is for a buffer that counts nothing ({_LAYERS})",
-    "priority_settings": f"static: what a dataset keeps of the priorities ({_LAYERS})",
 }
 _TRAJECTORY_WITHOUT_PRIORITIES = {
     "set_priorities": _NO_PRIORITIES,
