@@ -194,8 +194,9 @@ def uniform(out: Path) -> None:
     sample_hlo = compiled(lambda b, k: (b, b.sample(k, 64)), buffer, jax.random.key(0))
     found = [(c.op, c.shapes) for c in collectives(sample_hlo) if c.every_step]
     print(f"sample's collectives: {found}", flush=True)
-    # A size per shard, and the batch, each as one all-reduce of 32-bit words.
-    words = [f"u32[{n},2]", f"u32[64,{ITEM_SHAPE[0] + 1}]"]
+    # A size per shard (one word each), and the batch (flat), each as one all-reduce of 32-bit
+    # words.
+    words = [f"u32[{n}]", f"u32[{64 * (ITEM_SHAPE[0] + 1)}]"]
     assert sorted(found) == sorted(("all-reduce", (w,)) for w in words), found
 
     c = np.asarray(counts(buffer, jax.random.key(7)))
@@ -613,6 +614,44 @@ def rate_limited_global(out: Path) -> None:
             inserted < rate.min_size_to_sample or rate.balance(inserted, sampled) >= rate.scaled_min
         )
     assert sampled > 0
+
+
+@check
+def service_across_processes(out: Path) -> None:
+    """A `ReplayService` in every process over one rate-limited global replay: each process
+    counts only its own rows (a mask's `True`s among them), the learners' exchange adds every
+    process's counts to the global ones, and the law judges a sample by them."""
+    dx, eqx, jax, jnp, np = _setup()
+    buffer = dx.GlobalReplay(_mesh(), lambda: dx.UniformReplay(_item(), 64))
+    n, local = buffer.num_shards, buffer.num_local_shards
+    processes = jax.process_count()
+    per_process = 2 * local  # rows per process per insert: 2 per local shard
+    limiter = dx.RateLimiter.sample_to_insert_ratio(
+        1, 4 * n, 8 * n, insert_batch_size=per_process * processes, sample_batch_size=4
+    )
+    service = dx.ReplayService(dx.RateLimited(buffer, limiter), donate=False)
+    items, _ = _replay_rows(np, n, 2, lambda k: 2)
+    rows = buffer.rows(_local(np, buffer, items))
+    for r in range(1, 4):
+        service.add_batch(rows)
+        # Before an exchange, a process knows its own inserts only.
+        assert service.counts()[0] == (r - 1) * per_process * processes + per_process, r
+        assert service.snapshot().counts() == (r * per_process * processes, 0), r
+    mask = buffer.rows(np.arange(per_process) % 2 == 0)  # half of this process's rows
+    service.add_batch(rows, mask=mask)
+    inserts = 3 * per_process * processes + per_process // 2 * processes
+    assert service.snapshot().counts() == (inserts, 0)
+    try:  # a host mask cannot say which rows are this process's
+        service.add_batch(rows, mask=np.ones(per_process * processes, bool))
+    except TypeError as e:
+        assert "give the mask as the items are given" in str(e), e
+    else:
+        raise AssertionError("a host mask was counted")
+    with service.learner():
+        batch = service.sample(jax.random.key(0), 4)  # every process, in step
+    assert service.counts() == (inserts, 4)
+    assert jax.tree.leaves(batch)[0].shape[0] == 4
+    service.close()
 
 
 @check
