@@ -222,7 +222,9 @@ class _Gate:
                         total, anywhere = exchange(local, active or self.running > 0)
                     finally:
                         self.cond.acquire()
-                    self.inserts, self.local = total, self.local - local
+                    # `total`: every process's inserts since the last exchange.
+                    self.inserts, self.local = self.inserts + total, self.local - local
+                    self.cond.notify_all()  # an actor held to its share may pass now
                     if rate.can_sample(self.inserts, self.samples, n):
                         continue
                     if not anywhere:
@@ -245,10 +247,11 @@ class _Gate:
         global inserts."""
         with self.cond:
             local = self.local
-        inserts = exchange(local, False)[0]
+        total = exchange(local, False)[0]  # every process's inserts since the last exchange
         with self.cond:
-            self.inserts, self.local = inserts, self.local - local
-        return inserts
+            self.inserts, self.local = self.inserts + total, self.local - local
+            self.cond.notify_all()
+            return self.inserts
 
     def end_sample(self, n: int, done: bool) -> None:
         """Finish a sample of `n` rows; uncount it if it did not run (`done` false)."""
@@ -376,6 +379,28 @@ def _sum_rows(rows: tuple[Array], shared: tuple, axis: str | None, shards: int) 
     return (row[None],), total
 
 
+def _own(n: int, shares: int, mask: Any, call: str) -> int:
+    """This process's units of an insert of `n` units (every process's rows together, as
+    `rows()` makes them) over `shares` processes: its equal share, or the `True`s of `mask`
+    in its own rows. Each process counts its own; the exchange sums them."""
+    if shares == 1:
+        return n
+    if mask is not None:
+        if not isinstance(mask, jax.Array) or mask.is_fully_addressable:
+            raise TypeError(
+                f"`{call}(mask=...)`: over {shares} processes, give the mask as the items are "
+                "given, a global array of every process's rows (`buffer.rows(local_mask)`)."
+            )
+        blocks = {(s.index[0].start, s.index[0].stop): s.data for s in mask.addressable_shards}
+        return sum(int(np.count_nonzero(np.asarray(b))) for b in blocks.values())
+    if n % shares:
+        raise ValueError(
+            f"`{call}`: over {shares} processes an insert holds every process's rows, an equal "
+            f"share each (`buffer.rows(...)`); {n} units do not split so."
+        )
+    return n // shares
+
+
 def _timeout(timeout: float | None, call: str) -> float | None:
     return None if timeout is None else check_nonnegative_float(timeout, f"{call}(timeout=...)")
 
@@ -476,7 +501,8 @@ def _insert(
     """Wait until the law lets `n` items (`noun`s) in, then `op` on the buffer: the count is
     committed once its buffer is published, and given back if it raises."""
     timeout = _timeout(timeout, call)
-    _check_amount(cell.gate.rate, n, "insert", noun, call)
+    # Over processes, judged as the law judges a share: as if every process inserted as much.
+    _check_amount(cell.gate.rate, n * cell.gate.shares, "insert", noun, call)
     cell.gate.pass_insert(n, noun, timeout, call)
     published = False
     try:
@@ -707,6 +733,7 @@ class ReplayService:
         if not self._trajectories and env_ids is not None:
             raise TypeError(f"`{call}`: a replay's `add` takes one item, and no `env_ids`.")
         n = insert_units(items, call, steps=False) if self._trajectories else 1
+        n = _own(n, self._gate.shares, None, call)
         _insert(self._cell, _add, (items, env_ids), n, self._noun, timeout, call)
 
     def add_batch(
@@ -723,7 +750,9 @@ class ReplayService:
         call = "ReplayService.add_batch"
         if self._trajectories:
             raise TypeError(f"`{call}`: a trajectory buffer takes `add` and `extend`.")
-        n = insert_units(items, call, steps=False, mask=mask)
+        shares = self._gate.shares
+        n = insert_units(items, call, steps=False, mask=mask if shares == 1 else None)
+        n = _own(n, shares, mask, call)
         _insert(self._cell, _add_batch, (items, priorities, mask), n, self._noun, timeout, call)
 
     def extend(
@@ -739,7 +768,7 @@ class ReplayService:
         call = "ReplayService.extend"
         if not self._trajectories:
             raise TypeError(f"`{call}`: a replay takes `add` and `add_batch`.")
-        n = insert_units(items, call, steps=True)
+        n = _own(insert_units(items, call, steps=True), self._gate.shares, None, call)
         _insert(self._cell, _extend, (items, env_ids), n, self._noun, timeout, call)
 
     # --- samples and updates ------------------------------------------------------------------
