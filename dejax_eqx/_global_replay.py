@@ -6,6 +6,7 @@ from typing import Any, TypeVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 from jaxtyping import Array, ArrayLike, Bool, Int, PRNGKeyArray, PyTree, Real, UInt32
 
 from ._abstract import AbstractPrioritisedReplay, AbstractReplay, Indices
@@ -71,6 +72,18 @@ class GlobalReplay(AbstractGlobalBuffer, AbstractReplay):
         assert batch["obs"].shape == (32, 4) and int(buf.size) == 8 * buf.num_shards
         ```
     """
+
+    def __init__(
+        self,
+        mesh: Mesh,
+        make: Callable[[], AbstractReplay] | None = None,
+        *,
+        axis: str | None = None,
+        shards: AbstractReplay | None = None,
+    ):
+        """`AbstractGlobalBuffer`'s, declared again for type checkers (which would make one
+        of the fields, as for a dataclass)."""
+        super().__init__(mesh, make, axis=axis, shards=shards)
 
     @staticmethod
     def _family() -> type:

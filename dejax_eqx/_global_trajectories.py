@@ -89,6 +89,18 @@ class GlobalTrajectoryBuffer(AbstractGlobalBuffer, AbstractTrajectoryBuffer):
         ```
     """
 
+    def __init__(
+        self,
+        mesh: Mesh,
+        make: Callable[[], AbstractTrajectoryBuffer] | None = None,
+        *,
+        axis: str | None = None,
+        shards: AbstractTrajectoryBuffer | None = None,
+    ):
+        """`AbstractGlobalBuffer`'s, declared again for type checkers (which would make one
+        of the fields, as for a dataclass)."""
+        super().__init__(mesh, make, axis=axis, shards=shards)
+
     @staticmethod
     def _family() -> type:
         return AbstractTrajectoryBuffer
@@ -149,7 +161,7 @@ class GlobalTrajectoryBuffer(AbstractGlobalBuffer, AbstractTrajectoryBuffer):
     ) -> _T:
         """The shards' `extend` (`T` steps per listed env), split as `add`."""
         call = "GlobalTrajectoryBuffer.extend"
-        items = check_sequences(self.item_spec, items, call)
+        items, _, _ = check_sequences(self.item_spec, items, call)
         blocks, door = _blocks(self, items, env_ids, call)
         shard_call = shard_call_of(self, "extend")
         return self._run(add_blocks, _extend, blocks, *Door.of(door), shard_call, call)

@@ -125,3 +125,23 @@ def test_every_sampling_option_draws_as_one_buffer_of_every_env(option):
         again = buffer.read(got.env, got.start, window)
         for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(got)):
             assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+@pytest.mark.parametrize("kind", [dx.TrajectoryBuffer, dx.TrajectoryQueue])
+def test_extend_stores_each_env_as_one_buffer_of_every_env(kind):
+    # `extend` of every env's sequences, then of named envs (block k naming envs of shard k),
+    # stores what one buffer of 8 envs stores; a queue then pops every env's oldest steps.
+    step = {"x": jnp.zeros((), jnp.int32)}
+    mesh = jax.make_mesh((4,), ("shards",))
+    buffer = dx.GlobalTrajectoryBuffer(mesh, lambda: kind(step, 2, 8))
+    single = kind(step, 8, 8)
+    every = {"x": np.arange(8 * 3, dtype=np.int32).reshape(8, 3)}
+    buffer, single = buffer.extend(buffer.rows(every)), single.extend(every)
+    ids = np.array([1, 2, 5, 6], np.int32)  # one env of each shard
+    named = {"x": 100 + np.arange(4 * 2, dtype=np.int32).reshape(4, 2)}
+    buffer, single = buffer.extend(named, ids), single.extend(named, ids)
+    for a, b in zip(jax.tree.leaves(buffer.streams), jax.tree.leaves(single.streams)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    if kind is dx.TrajectoryQueue:
+        (got, _), (want, _) = buffer.pop(2), single.pop(2)
+        assert np.array_equal(np.asarray(got["x"]), np.asarray(want["x"]))
