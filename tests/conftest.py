@@ -5,6 +5,7 @@ import mmap
 import os
 import shutil
 import tempfile
+from typing import Any
 
 import jax
 import pytest
@@ -58,7 +59,7 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 # fixed sets (tests/helpers.py) so compiled functions are reused across examples.
 # The ci profile is derandomized so that a CI run is reproducible; dev explores new examples on
 # every run.
-_common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+_common: dict[str, Any] = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # ci is sized for the README's test command (two processes, a 2-core machine, a few minutes):
 # 8 examples and 6 state-machine steps per run; dev 150 and 40.
 settings.register_profile("ci", max_examples=8, stateful_step_count=6, derandomize=True, **_common)

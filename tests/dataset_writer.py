@@ -179,6 +179,7 @@ def _write(path: str, kind: str, stop: str, buffers: str) -> None:
             ends = ds.ends[ids]
             ds.append(steps(ids[:, None], ends[:, None] + np.arange(length)), env_ids=ids)
         else:
+            assert buffer is not None
             ds.write(buffer)
         print(f"done {k}", flush=True)
     print("finished", flush=True)
@@ -187,7 +188,7 @@ def _write(path: str, kind: str, stop: str, buffers: str) -> None:
 
 def _contend(path: str, tag: float, mode: str) -> None:
     length = 5 + int(tag * 4)  # the two writers append different lengths
-    ds = dx.Dataset.open(path, STEP, sync=False)
+    ds: dx.Dataset | None = dx.Dataset.open(path, STEP, sync=False)
     print("ready", flush=True)
     sys.stdin.readline()
     for _ in range(40):
@@ -195,13 +196,14 @@ def _contend(path: str, tag: float, mode: str) -> None:
             try:
                 if mode == "retry":
                     ds = dx.Dataset.open(path, STEP, sync=False)
+                assert ds is not None  # dropped below only in "retry" mode, which reopens it
                 try:
                     at = ds.ends
                     envs = np.arange(NUM_ENVS)[:, None]
                     ds.append(steps(envs, at[:, None] + np.arange(length), tag))
                 finally:
                     if mode == "retry":
-                        del ds  # releases its lock (as `close()` would)
+                        ds = None  # releases its lock (as `close()` would)
                 print("appended", " ".join(map(str, at)), length, flush=True)
                 break
             except RuntimeError as error:

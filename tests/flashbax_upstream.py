@@ -432,6 +432,7 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> int:
+    assert __doc__ is not None
     parser = argparse.ArgumentParser(
         prog="python -m tests.flashbax_upstream", description=__doc__.split("\n\n")[0]
     )

@@ -8,11 +8,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import scipy.stats
+from hypothesis import settings
 
 
 class Transition(NamedTuple):
-    obs: jax.ShapeDtypeStruct
-    done: jax.ShapeDtypeStruct
+    """An item spec (leaves `jax.ShapeDtypeStruct`) or an item (leaves arrays)."""
+
+    obs: jax.ShapeDtypeStruct | jax.Array
+    done: jax.ShapeDtypeStruct | jax.Array
 
 
 def _s(shape, dtype):
@@ -110,6 +113,14 @@ def bump(item):
     return jax.tree.map(leaf, item)
 
 
+def profile_max_examples() -> int:
+    """`max_examples` of the hypothesis profile in use (conftest loads one, so
+    `settings.default`, which hypothesis types as optional, is set)."""
+    current = settings.default
+    assert current is not None
+    return current.max_examples
+
+
 def assert_frequencies(counts, probabilities, *, alpha: float = 1e-6):
     """Pearson chi-square goodness-of-fit test of observed `counts` against `probabilities`.
 
@@ -163,7 +174,7 @@ def random_bits_batch(spec, n: int, rng: np.random.Generator):
 
 
 def _bits(x) -> np.ndarray:
-    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
         x = jax.random.key_data(x)
     return np.asarray(x)
 
@@ -217,6 +228,7 @@ def enable_x64(new_val: bool = True):
     same context manager, so the tests of 64-bit inputs run on every supported JAX."""
     if hasattr(jax, "enable_x64"):
         return jax.enable_x64(new_val)
-    from jax.experimental import enable_x64 as experimental
+    # Gone from JAX 0.8 on (the JAX that pyright reads), which has `jax.enable_x64`.
+    from jax.experimental import enable_x64 as experimental  # pyright: ignore[reportAttributeAccessIssue]
 
     return experimental(new_val)

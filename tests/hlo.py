@@ -74,4 +74,5 @@ def aliased_parameters(hlo: str) -> set[int]:
     """The parameters whose buffers the outputs reuse (`input_output_alias` of the module)."""
     header = hlo.splitlines()[0]
     match = re.search(r"input_output_alias=\{(.*?)\s\}", header)
+    assert match is not None, header
     return {int(p) for p in re.findall(r"\((\d+), \{\}, (?:may|must)-alias\)", match[1])}

@@ -1,6 +1,8 @@
 """Bad input is refused with an error that names the problem."""
 
 import re
+from collections.abc import Callable
+from typing import Any
 
 import dejax_eqx as dx
 import equinox as eqx
@@ -32,7 +34,9 @@ def buf_and_names(request):
 @pytest.mark.parametrize("jit", [False, True])
 def test_wrong_structure(buf_and_names, jit):
     buf, one, many = buf_and_names
-    call = eqx.filter_jit(lambda b, x: getattr(b, one)(x)) if jit else getattr(buf, one)
+    call: Callable[..., Any] = (
+        eqx.filter_jit(lambda b, x: getattr(b, one)(x)) if jit else getattr(buf, one)
+    )
     args = (buf,) if jit else ()
     with pytest.raises(ValueError, match=re.escape("missing leaves [\"['info'][0]\"]")):
         call(*args, {"obs": jnp.ones(3), "info": ()})
@@ -126,7 +130,7 @@ def test_bad_batch_size():
     ):
         buf.sample(key, 0)
     with pytest.raises(TypeError, match="must be a Python int|parameter 'batch_size'"):
-        buf.sample(key, jnp.asarray(3))
+        buf.sample(key, jnp.asarray(3))  # pyright: ignore[reportArgumentType]
 
 
 @pytest.mark.parametrize("jit", [False, True])

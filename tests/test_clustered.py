@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from dejax_eqx._faults import Fault
 from dejax_eqx._laws import AbstractLaw, Draw, locate
 from dejax_eqx._storage import gather
 from hypothesis.stateful import initialize, invariant, rule
@@ -285,7 +286,7 @@ class IndexedLaw(AbstractLaw):
     def available(self, summaries):
         return jnp.sum(summaries) > 0
 
-    def faults(self, summaries, call):
+    def faults(self, summaries, call) -> list[Fault]:
         return [(jnp.sum(summaries) == 0, f"`{call}`: empty")]
 
 

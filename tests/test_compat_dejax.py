@@ -4,6 +4,8 @@ Written the way dejax users wrote their code: plain `jax.jit`, the buffer object
 passed as an argument, the state passed in and out, `donate_argnums` on the state.
 """
 
+from typing import cast
+
 import dejax_eqx as dx
 import dejax_eqx.compat.dejax as dejax
 import jax
@@ -200,7 +202,8 @@ def test_faults_are_reported_under_jit_with_or_without_checkify(transform):
     empty = cb.init(PROTO, 1)
     one = cb.push(empty, make_item(1))  # one slot: the index guard must survive
     # Each is called first without a fault, so that the faulty call takes JAX's cached path.
-    pop(one), get(one, jnp.asarray(0))
+    pop(one)
+    get(one, jnp.asarray(0))
     sample(buffer.add_fn(buffer.init_fn(PROTO), make_item(1)), jax.random.key(0))
     with pytest.raises(FAULT, match="cannot pop from an empty CircularBuffer"):
         pop(empty)
@@ -268,7 +271,8 @@ def test_clustered_state_holds_a_clustered_replay_with_the_power():
     replay = state.module
     assert isinstance(replay, dx.ClusteredReplay) and replay.distribution_power == 1.0
     assert replay.cluster_sizes.tolist() == [3, 2, 0]
-    assert sorted(np.asarray(replay.clusters.storage.data["step"])[:2, :2].ravel()) == [
+    clusters = cast(dx.UniformReplay, replay.clusters)  # stacked, one per cluster
+    assert sorted(np.asarray(clusters.storage.data["step"])[:2, :2].ravel()) == [
         100,
         101,
         102,
@@ -285,7 +289,7 @@ def test_clustered_errors():
     with pytest.raises(RuntimeError, match="cluster id outside"):
         three.add_fn(three.init_fn(PROTO), make_item(2))
     with pytest.raises(TypeError, match="cluster_buffer=...\\)` must be a buffer|parameter"):
-        dejax.clustered_replay(2, "uniform", clustering_fn)
+        dejax.clustered_replay(2, "uniform", clustering_fn)  # pyright: ignore[reportArgumentType]
     with pytest.raises(ValueError, match="num_clusters=...\\)` must be positive"):
         dejax.clustered_replay(0, dejax.uniform_replay(10), clustering_fn)
     with pytest.raises(ValueError, match="max_size=...\\)` must be positive"):
@@ -311,7 +315,9 @@ EXAMPLES = {
 
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_examples_run(name):
-    blocks = python_blocks(EXAMPLES[name]())
+    doc = EXAMPLES[name]()
+    assert doc is not None
+    blocks = python_blocks(doc)
     assert blocks
     for block in blocks:
         exec(compile(block, name, "exec"), {})

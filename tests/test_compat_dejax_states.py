@@ -205,12 +205,14 @@ def test_donated_jit_updates_a_clustered_state_in_place():
     step = jax.jit(step, donate_argnums=(0,))
     state = buffer.init_fn(PROTO)
     pointer = state.cluster_state_batch.storage.data["obs"].unsafe_buffer_pointer()
+    batch = None
     for i in range(3):
         old = state.cluster_state_batch.storage.data["obs"]
         state, batch = step(state, make_items([i, 10 + i]), jax.random.key(i))
         assert old.is_deleted()
         assert state.cluster_state_batch.storage.data["obs"].unsafe_buffer_pointer() == pointer
     assert state.cluster_state_batch.storage.head.tolist() == [3, 3]
+    assert batch is not None
     assert batch["step"].shape == (4,)
 
 
@@ -279,7 +281,7 @@ def test_utils():
         x = utils.scalar_to_jax(value)
         assert x.shape == () and x.dtype == dtype and x.item() == value
     with pytest.raises(TypeError, match="scalar"):
-        utils.scalar_to_jax(np.zeros(()))
+        utils.scalar_to_jax(np.zeros(()))  # pyright: ignore[reportArgumentType]
     with pytest.raises(ValueError, match="Unsupported type"):
         utils.type_to_dtype(str)
     assert utils.tile_over_axis(jnp.arange(3), axis=0, size=2).tolist() == [[0, 1, 2]] * 2

@@ -480,10 +480,10 @@ def test_unclear_input_is_refused_with_its_reason(tmp_path):
     # Arguments are checked before anything is made on disk: the call can be made again.
     # (Under the tests' type-checking hook, the annotation refuses it first.)
     with pytest.raises(TypeError, match=r"`Dataset.create\(sync=...\)` must be a bool|'sync'"):
-        dx.Dataset.create(tmp_path / "d", STEP, 2, sync="no")
+        dx.Dataset.create(tmp_path / "d", STEP, 2, sync="no")  # pyright: ignore[reportArgumentType]
     assert not (tmp_path / "d").exists()
     with pytest.raises(TypeError, match=r"`Dataset.create\(path=...\)` must be a str|'path'"):
-        dx.Dataset.create(None, STEP, 2)
+        dx.Dataset.create(None, STEP, 2)  # pyright: ignore[reportArgumentType]
     ds = dx.Dataset.create(tmp_path / "d", STEP, 2, sync=True)
     ds.append(_steps(np.arange(2)[:, None], np.arange(10)[None, :]))
     for bad in [1.0, None, "3", True, np.float32(2), jnp.asarray(2.0), np.array([1, 2])]:

@@ -51,6 +51,7 @@ def _check_refused(function, call: str, args: dict, arg: str, *, zero_ok: bool =
     argument may not be `None` (flashbax's optional sizes may)."""
     annotation = inspect.signature(function).parameters[arg].annotation
     optional = type(None) in typing.get_args(annotation)
+    bad: list[tuple[object, type[Exception], str]]
     bad = [(-1, ValueError, "must be (positive|non-negative), got -1")]
     bad += [(-16, ValueError, "got -16"), (2**31, ValueError, "must be at most 2147483647")]
     if not zero_ok:
@@ -341,7 +342,7 @@ def test_sum_tree_sample_refuses_a_query_that_is_not_a_real_scalar():
     with pytest.raises(TypeError, match=where + " must be a real scalar.*got True" + hook):
         sum_tree.sample(state, query_value=True)
     with pytest.raises(TypeError, match=where + " must be a real scalar.*got '0.5'" + hook):
-        sum_tree.sample(state, query_value="0.5")
+        sum_tree.sample(state, query_value="0.5")  # pyright: ignore[reportArgumentType]
     with pytest.raises((ValueError, TypeError), match=where + " must be a scalar" + hook):
         sum_tree.sample(state, query_value=jnp.asarray([0.5]))
     with pytest.raises((ValueError, TypeError), match=where + " must be a scalar" + hook):
@@ -402,7 +403,7 @@ def test_get_invalid_indices_refuses_sizes_that_are_not_the_state_s():
     state = tb.init(STEP, 2, 8)
     for _ in range(3):
         state = tb.add(state, {"x": jnp.ones((2, 1))})
-    args = dict(
+    args: dict[str, typing.Any] = dict(
         state=state, sample_sequence_length=2, period=1, add_batch_size=2, max_length_time_axis=8
     )
     # flashbax's answer (current_index 3, windows of 2, period 1).
@@ -459,12 +460,12 @@ def test_periods_and_windows_longer_than_a_row_are_refused_under_flashbax_s_name
         tb.sample(plain, jax.random.key(0), 2, 9, 1)
     # A size not given (`None`) is named, not handed to the module.
     for call, arg, run in [
-        ("trajectory_buffer.init", "add_batch_size", lambda: tb.init(STEP, None, 8)),
-        ("trajectory_queue.init", "max_length_time_axis", lambda: tq.init(STEP, 2, None)),
+        ("trajectory_buffer.init", "add_batch_size", lambda: tb.init(STEP, None, 8)),  # pyright: ignore[reportArgumentType]
+        ("trajectory_queue.init", "max_length_time_axis", lambda: tq.init(STEP, 2, None)),  # pyright: ignore[reportArgumentType]
         (
             "prioritised_trajectory_buffer.prioritised_init",
             "period",
-            lambda: ptb.prioritised_init(STEP, 2, 8, None),
+            lambda: ptb.prioritised_init(STEP, 2, 8, None),  # pyright: ignore[reportArgumentType]
         ),
     ]:
         with pytest.raises(TypeError, match=_names(call, arg)):
@@ -568,4 +569,4 @@ def test_sample_mixer_fn_refuses_shares_that_are_not_non_negative_ints():
     with pytest.raises(ValueError, match=re.escape("`mixer.sample`: prop_batch_sizes are all 0")):
         mixer.sample_mixer_fn([1, 2], key, [0, 0], [sample, sample])
     with pytest.raises(TypeError, match=r"`mixer.sample`: prop_batch_sizes\[1\]|prop_batch_sizes"):
-        mixer.sample_mixer_fn([1, 2], key, [1, 1.5], [sample, sample])
+        mixer.sample_mixer_fn([1, 2], key, [1, 1.5], [sample, sample])  # pyright: ignore[reportArgumentType]

@@ -16,7 +16,7 @@ buffer's contents in one buffer where the law makes that exact.
 import functools
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, cast, NamedTuple
 
 import dejax_eqx as dx
 import equinox as eqx
@@ -365,7 +365,7 @@ def check_rate_limited(kind: Kind, *, over: Callable[[Kind], Any] | None = None)
     assert limited.counts() == (inserted, 0)
     key = jax.random.key(3)
     if kind.name == "queue":
-        items, limited = limited.pop(1)
+        items, limited = cast(dx.AbstractTrajectoryBuffer, limited).pop(1)
         rows = ENVS * shards
     else:
         limited, items = limited.sample(key, 3, *((WINDOW,) if kind.name == "trajectory" else ()))

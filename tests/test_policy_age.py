@@ -2,6 +2,8 @@
 (chi-square), the exact probabilities, the importance weights, the errors, and the
 transformations a training loop uses."""
 
+from typing import cast
+
 import dejax_eqx as dx
 import equinox as eqx
 import jax
@@ -225,7 +227,7 @@ def _feed(buf, model, rounds, rng, *, reset_at=None):
     for r in range(rounds):
         if r == reset_at:
             buf = buf.reset_online_queue()
-            model.reset_online_queue()
+            cast(RefTrajectoryBuffer, model).reset_online_queue()  # the one with an online queue
         env_ids = [int(e) for e in rng.permutation(n) if rng.random() < 0.7] or [0]
         streams = model.streams if isinstance(model, RefPrioritisedTrajectory) else model
         steps = {

@@ -415,7 +415,7 @@ def test_constructor_and_argument_validation():
     with pytest.raises(TypeError, match="Python float|parameter"):
         dx.PrioritisedReplay(item, 4, priority_exponent=True)
     with pytest.raises(TypeError, match="must be a bool|parameter"):
-        dx.PrioritisedReplay(item, 4, stratified=1)
+        dx.PrioritisedReplay(item, 4, stratified=1)  # pyright: ignore[reportArgumentType]
     with pytest.raises(ValueError, match="at most"):
         dx.PrioritisedReplay(item, 2**30 + 1)
     with pytest.raises(ValueError, match="float32 or float64"):
@@ -520,6 +520,7 @@ def test_training_loop_never_copies_the_tree_or_the_items():
         return jax.lax.scan(step, replay, jax.random.split(key, 4))[0]
 
     hlo = jax.jit(run, donate_argnums=0).lower(replay, jax.random.key(0)).compile().as_text()
+    assert hlo is not None
     big = {replay.tree.nodes.shape[0], capacity}
     copies = [
         line

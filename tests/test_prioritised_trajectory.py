@@ -2,6 +2,7 @@
 leaving, samples, delayed (stale) priority updates."""
 
 import re
+from typing import Any
 
 import dejax_eqx as dx
 import equinox as eqx
@@ -340,7 +341,7 @@ DONE_STEP = {"pos": jnp.zeros((), jnp.int32), "done": jnp.zeros((), jnp.bool_)}
 def test_deprecated_forms_still_work_with_a_warning():
     # The constructor's window arguments, `sample(episode_ends=..., done=...)` and
     # `slots_per_env`: the old forms, for one release.
-    parts = dict(burn_in=1, bootstrap=1, period=2)
+    parts: dict[str, Any] = dict(burn_in=1, bootstrap=1, period=2)
     with pytest.warns(DeprecationWarning, match="window options as keywords is deprecated"):
         old = dx.PrioritisedTrajectoryBuffer(DONE_STEP, 2, 8, 2, **parts)
     new = dx.PrioritisedTrajectoryBuffer(DONE_STEP, 2, 8, dx.Window(2, **parts, strict=True))
@@ -376,7 +377,7 @@ def test_deprecated_forms_still_work_with_a_warning():
 def test_sample_masks_by_a_window_of_the_same_parts():
     # `sample(key, b, what)`: `what` a `Window` of the buffer's parts (sequence_length, burn_in,
     # bootstrap, period, strict) that masks episode ends otherwise; the same windows drawn.
-    parts = dict(burn_in=1, bootstrap=1, period=2, strict=True)
+    parts: dict[str, Any] = dict(burn_in=1, bootstrap=1, period=2, strict=True)
     buf = dx.PrioritisedTrajectoryBuffer(DONE_STEP, 2, 8, dx.Window(2, **parts))
     buf = buf.extend(
         {
@@ -386,7 +387,7 @@ def test_sample_masks_by_a_window_of_the_same_parts():
     )
     key = jax.random.key(1)
     plain = buf.sample(key, 16)
-    for ends in ["truncate", "within"]:
+    for ends in ("truncate", "within"):
         window = dx.Window(2, **parts, episode_ends=ends, done="done")
         masked = eqx.filter_jit(lambda b, k, w: b.sample(k, 16, w))(buf, key, window)
         # The same draws: stamps, leaves, probabilities and weights; only the masks differ,

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.special
-from hypothesis import given, settings
+from hypothesis import given
 
-from .helpers import assert_frequencies, assert_tree_equal
+from .helpers import assert_frequencies, assert_tree_equal, profile_max_examples
 
 
 # Fixed shapes, so that compiled functions are reused across examples: five envs (windows of
@@ -126,7 +126,7 @@ def frequencies(env, back, starts: dict, weight=lambda r, w: w):
 # The chi-square test runs once per example, so its false-failure rate per example is 1e-6
 # divided by the number of examples: at most 1e-6 per run of this test, in any profile.
 def _alpha() -> float:
-    return 1e-6 / settings.default.max_examples
+    return 1e-6 / profile_max_examples()
 
 
 @given(windows=windows_st(), power=st.sampled_from(POWERS), seed=st.integers(0, 2**16))
@@ -206,7 +206,7 @@ def test_extreme_random_words_stay_in_support(windows, power, words):
         return
     words = np.tile(np.asarray(words, np.uint32).reshape(4, 16), (1, DRAWS // 16))
     drawn, _, _ = run(lengths, phase, law, power, words=words)
-    assert_in_support(*drawn, starts)
+    assert_in_support(*drawn, starts=starts)
 
 
 @given(

@@ -26,6 +26,7 @@ from dejax_eqx import (
     ServiceClosed,
     WaitCannotEnd,
 )
+from dejax_eqx._abstract import Source
 from dejax_eqx._rates import Rate
 from dejax_eqx._service import inserts_needed, samples_needed
 
@@ -195,7 +196,7 @@ def test_trajectory_buffer_from_envpool_like_subsets():
                     if len(windows) % 2:
                         out = service.sample(sub, rows, dx.Window(4), timeout=JOIN)
                     else:
-                        mixed = {"replay": 2, "online": 2}
+                        mixed: dict[Source, int] = {"replay": 2, "online": 2}
                         out = service.sample(sub, 4, dx.Window(4), source=mixed, timeout=JOIN)
                 except WaitCannotEnd:
                     return
@@ -391,7 +392,7 @@ def test_update_sets_priorities_uncounted():
     with pytest.raises(TypeError, match="must return the buffer it was given"):
         service.update(lambda b: b.size)
     with pytest.raises(TypeError, match="fn"):  # the import hook or the service says so
-        service.update(3)
+        service.update(3)  # pyright: ignore[reportArgumentType]
     service.sample(jax.random.key(0), 1)  # still there
     service.close()
 

@@ -4,6 +4,7 @@ import dejax_eqx as dx
 import equinox as eqx
 import hypothesis.strategies as st
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -331,6 +332,7 @@ def test_find_then_set_in_a_loop_never_copies_the_tree():
         return jax.lax.scan(step, tree, jax.random.split(key, 4))[0]
 
     hlo = jax.jit(run, donate_argnums=0).lower(tree, jax.random.key(0)).compile().as_text()
+    assert hlo is not None
     shape = f"f32[{tree.nodes.shape[0]}]"
     copies = [line for line in hlo.splitlines() if shape in line and " copy(" in line]
     assert not copies, copies

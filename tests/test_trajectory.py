@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from dejax_eqx._abstract import Source
 from hypothesis.stateful import initialize, invariant, precondition, rule, RuleBasedStateMachine
 
 from .helpers import (
@@ -114,7 +115,7 @@ def _sample_transitions(buf, key, n, source):
     return buf.sample(key, BATCH, NSTEPS[n], discount=0.5, source=source)
 
 
-def stored_windows(buf: dx.TrajectoryBuffer, source: str = "replay") -> list:
+def stored_windows(buf: dx.TrajectoryBuffer, source: Source = "replay") -> list:
     """Each env's window read straight from the fields, oldest step first, as NumPy items."""
     data = to_numpy(buf.data)
     head, lengths = np.asarray(buf.head), np.asarray(buf.lengths(source))
@@ -352,7 +353,7 @@ class TrajectoryMachine(RuleBasedStateMachine):
         assert np.asarray(self.buf.step_count).tolist() == self.model.count
         assert (head == np.asarray(self.model.count) % m).all()
         assert online.tolist() == self.model.lengths("online").tolist()
-        for source in ["replay", "online"]:
+        for source in ("replay", "online"):
             windows = stored_windows(self.buf, source)
             for env in range(self.buf.num_envs):
                 for got, expected in zip(windows[env], self.model.window(env, source)):
@@ -480,7 +481,7 @@ def test_sample_mixed_rows_follow_their_sources(stats_buffer):
     seqs, mask, *_ = mixed(buf, jax.random.key(3))
     for source, rows in [("replay", slice(0, n)), ("online", slice(n, 2 * n))]:
         part = jax.tree.map(lambda x: x[rows], (seqs, mask))
-        env, offset = _decode(*part, model, added, 5, source)
+        env, offset = _decode(*part, model=model, added=added, t=5, source=source)
         probabilities = model.start_probabilities(5, 2.0, source)
         # False-failure rate 1e-6 per source.
         assert_frequencies(*_frequencies(env, offset, probabilities), alpha=1e-6)
@@ -701,7 +702,7 @@ def test_power_and_discount_are_not_wrapped():
     huge = np.int64(2**32 + 2)
     # A power of 2**32 draws only the windows of the most real steps (3, from starts 0..2).
     assert buf.sample(key, 256, THREE, distribution_power=huge).mask.all()
-    mixed = {"replay": 128, "online": 128}
+    mixed: dict[Source, int] = {"replay": 128, "online": 128}
     assert buf.sample(key, 256, THREE, distribution_power=huge, source=mixed).mask.all()
     assert not buf.sample(key, 256, THREE, distribution_power=np.int64(2)).mask.all()
     nstep = dx.NStep(2, reward="r", terminated="done")
@@ -962,7 +963,7 @@ def test_sample_transitions_is_deprecated():
     key = jax.random.key(0)
     nstep = dx.NStep(2, reward="reward", terminated="done")
     deprecated = r"`TrajectoryBuffer.sample_transitions` is deprecated; use `sample\("
-    for source in ["replay", "online"]:
+    for source in ("replay", "online"):
         new = buf.sample(key, 3, nstep, discount=0.5, source=source)
         with pytest.warns(DeprecationWarning, match=deprecated):
             old = buf.sample_transitions(key, 3, nstep, discount=0.5, source=source)
