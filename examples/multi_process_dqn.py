@@ -22,13 +22,14 @@ where things live. Every device of every process is one shard of mesh axis "repl
     the batch (128 transitions, 5 kB) is cheaper to share than the gradients would be.
 
 Before training it compiles the chunk and prints every collective in it, with the bytes of its
-operands: what crosses the network. Per step, only `sample`'s two all-reduces: two int32 per
-shard (their sizes), then the batch as 32-bit words (11 per transition, 5,632 bytes for 128
-transitions; a boolean travels as a word, so that one collective carries every leaf); per
-chunk, the sums of the metrics. Between chunks the processes also agree on when to stop
-(process 0's clock decides: one byte, `multihost_utils.broadcast_one_to_all`). On CPUs every
-collective between processes waits for both to be scheduled: on a busy 2-core machine a step
-of 2 processes takes about 20 times as long as a step of 1 process with 2 devices.
+operands: what crosses the network. Per step, only `sample`'s two all-reduces: one 32-bit word
+per shard (its size: a uniform shard's summary; 8 bytes for 2 shards), then the batch as 32-bit
+words (11 per transition, 5,632 bytes for 128 transitions; a boolean travels as a word, so that
+one collective carries every leaf): 5,640 bytes per step with 2 shards. Per chunk, the sums of
+the metrics. Between chunks the processes also agree on when to stop (process 0's clock
+decides: one byte, `multihost_utils.broadcast_one_to_all`). On CPUs every collective between
+processes waits for both to be scheduled: on a busy 2-core machine a step of 2 processes takes
+about 20 times as long as a step of 1 process with 2 devices.
 
 Run (on one machine it starts the processes itself, each with its own CPU devices, and stops
 them all if one fails):
