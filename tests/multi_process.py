@@ -409,14 +409,20 @@ def errors(out: Path) -> None:
         else:
             raise AssertionError(f"not refused: {words}")
     buffer = dx.GlobalReplay(_mesh(), lambda: dx.PrioritisedReplay(_item(), 4))
-    for bad in (
-        lambda b: b.sample(jax.random.key(0), 4),
-        lambda b: b.set_priorities(jnp.array([0]), jnp.array([1.0])),
+    # An empty buffer: nothing to draw, and no stored slot to set (the single replay's
+    # messages, under the global call's name).
+    for words, bad in (
+        ("`GlobalReplay.sample`", lambda b: b.sample(jax.random.key(0), 4)),
+        (
+            "`GlobalReplay.set_priorities`: index out of range",
+            lambda b: b.set_priorities(jnp.array([0]), jnp.array([1.0])),
+        ),
     ):
         try:
             jax.block_until_ready(eqx.filter_jit(bad)(buffer))
         except eqx.EquinoxRuntimeError as e:
-            assert "empty" in str(e) or "no stored item" in str(e), e
+            assert words in str(e), e
+            assert "empty" in str(e) or "no stored item" in str(e) or "a stored slot" in str(e), e
         else:
             raise AssertionError("no error")
 
