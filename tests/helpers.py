@@ -2,11 +2,13 @@
 
 import re
 import textwrap
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import scipy.stats
 from hypothesis import settings
 
@@ -232,3 +234,26 @@ def enable_x64(new_val: bool = True):
     from jax.experimental import enable_x64 as experimental  # pyright: ignore[reportAttributeAccessIssue]
 
     return experimental(new_val)
+
+
+# What the README's test command leaves out to stay within 5 minutes on 2 cores, marked `slow`
+# (`pytest -m slow` runs it; CI runs both): the rest of each sweep over every buffer type (or
+# every layer over every kind), of which it runs a rotation in which every value still appears;
+# the guides' examples after each guide's first; the runs across real processes.
+SLOW = pytest.mark.slow
+
+
+def rotation(
+    values: Sequence[Any], start: int, keep: int = 2, *, several: bool = False
+) -> list[Any]:
+    """`values` for `pytest.mark.parametrize`: `keep` of them, cyclically from index `start`,
+    in the default run, the others marked `slow` (`several`: each value is a tuple of
+    several arguments)."""
+    n = len(values)
+    fast = {(start + i) % n for i in range(keep)}
+    slow = (
+        (lambda v: pytest.param(*v, marks=SLOW))
+        if several
+        else (lambda v: pytest.param(v, marks=SLOW))
+    )
+    return [v if i in fast else slow(v) for i, v in enumerate(values)]

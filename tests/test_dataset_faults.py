@@ -32,6 +32,7 @@ from tests.dataset_writer import (
     WINDOW,
     WRITES,
 )
+from tests.helpers import rotation
 
 
 pytest.importorskip("tensorstore")
@@ -198,7 +199,7 @@ STAGES = [
 ]
 
 
-@pytest.mark.parametrize("kind, stop", STAGES)
+@pytest.mark.parametrize("kind, stop", rotation(STAGES, 0, keep=3, several=True))
 def test_a_writer_killed_at_a_stage_leaves_its_previous_commit(tmp_path, kind, stop):
     stage, k = stop.split(":")
     path, done = _kill(tmp_path, kind, stop, lambda line: line == f"at {stage}")

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from .helpers import python_blocks_with_lines
+from .helpers import python_blocks_with_lines, SLOW
 
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -65,10 +65,13 @@ def _public_docstrings() -> dict[str, str]:
 
 
 def _snippets():
+    # The README's and the docstrings' examples run in the README's test command, and each
+    # guide's first; the guides' other examples are `slow` (CI runs them: tests/helpers.py).
     params = []
     for path in [*sorted(DOCS.glob("*.md")), ROOT / "README.md"]:
-        for line, code in python_blocks_with_lines(path.read_text()):
-            params.append(pytest.param(code, id=f"{path.relative_to(ROOT)}:{line}"))
+        for i, (line, code) in enumerate(python_blocks_with_lines(path.read_text())):
+            marks = [SLOW] if i and path.parent == DOCS else []
+            params.append(pytest.param(code, id=f"{path.relative_to(ROOT)}:{line}", marks=marks))
     for qualname, doc in sorted(_public_docstrings().items()):
         for line, code in python_blocks_with_lines(doc):
             params.append(pytest.param(code, id=f"{qualname}:{line}"))

@@ -7,9 +7,11 @@ except under CI (`CI` set), where a missing extra fails instead of passing unnot
 import importlib.util
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -80,6 +82,33 @@ def test_multi_process_dqn_smoke(tmp_path):
     # each: a uniform law's summary) and the batch of 32 transitions of 11 32-bit words; no
     # gradient.
     assert "total: 1,416 bytes per training step" in result.stdout
+    assert "smoke run: no learning threshold" in result.stdout
+
+
+@pytest.mark.skipif(
+    not hasattr(jax, "shard_map"), reason="the global buffers need JAX 0.7+ (jax.shard_map)"
+)
+def test_multi_process_actors_smoke(tmp_path):
+    # Two processes of a `jax.distributed` program, each with an actor thread and a learner
+    # thread around its own `ReplayService` over one GlobalReplay, under one global
+    # samples-per-insert law: both run to the step cap and stop together.
+    _require("gymnax", "optax")
+    script = str(ROOT / "examples" / "multi_process_actors.py")
+    # Well above the smoke run's 20-35 s: the launcher stops the processes itself at 150 s.
+    result = _run([script, "--smoke", "--seed", "3", "--max-seconds", "60"], tmp_path, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 processes x 1 devices: one GlobalReplay of 2 UniformReplay shards" in result.stdout
+    assert "step cap reached" in result.stdout
+    # The replicated learners sampled the same batches and made the same updates.
+    assert "q-network bit-identical on all 2 devices: True" in result.stdout
+    # The achieved samples per insert, over both processes, lies in the law's window.
+    (spi,) = [line for line in result.stdout.splitlines() if line.startswith("samples per insert")]
+    assert "(target 16, window [" in spi and " 0 rows sampled" not in spi
+    assert spi.endswith("within the window: True")
+    # Every process counted its own inserts; exchanged, they are the transitions stored.
+    counted = r"the services counted ([\d,]+) inserts for ([\d,]+) transitions"
+    ((inserts, transitions),) = re.findall(counted, result.stdout)
+    assert inserts == transitions
     assert "smoke run: no learning threshold" in result.stdout
 
 

@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from .helpers import rotation
+
 
 pytestmark = pytest.mark.skipif(
     not hasattr(jax, "shard_map"), reason="the global buffers need JAX 0.7+ (jax.shard_map)"
@@ -76,7 +78,8 @@ def test_a_prioritised_global_replay_on_one_device_draws_as_the_replay_it_holds(
 
 
 @pytest.mark.parametrize(
-    "option", ["windows", "strict", "transitions", "both sources", "aged", "online only"]
+    "option",
+    rotation(["windows", "strict", "transitions", "both sources", "aged", "online only"], 0, 3),
 )
 def test_every_sampling_option_draws_as_one_buffer_of_every_env(option):
     # Four shards of 2 envs against one buffer of 8 envs fed the same steps: each option of

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 
-from .helpers import assert_bits_equal, random_bits_batch, SPECS
+from .helpers import assert_bits_equal, random_bits_batch, rotation, SPECS
 from .registry import BUFFER_TYPES, BufferType, BY_NAME, make_batch, stack
 
 
@@ -57,7 +57,7 @@ def on_default_device(tree) -> bool:
 
 
 @pytest.mark.parametrize("copies", [None, 3], ids=["single", "batch-of-3"])
-@pytest.mark.parametrize("case", BUFFER_CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", rotation(BUFFER_CASES, 1, keep=3), ids=lambda c: c.name)
 @given(
     spec_name=st.sampled_from(SPEC_NAMES),
     max_size=st.sampled_from(MAX_SIZES),

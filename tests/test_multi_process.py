@@ -17,15 +17,22 @@ from pathlib import Path
 import jax
 import pytest
 
+from .helpers import SLOW
 from .multi_process import CHECKS
 
 
 ROOT = Path(__file__).parent.parent
 TIMEOUT_S = 240  # per launch; a launch takes about 20 s on 2 idle cores
 
-pytestmark = pytest.mark.skipif(
-    not hasattr(jax, "shard_map"), reason="the global buffers need JAX 0.7+ (jax.shard_map)"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not hasattr(jax, "shard_map"), reason="the global buffers need JAX 0.7+ (jax.shard_map)"
+    ),
+    # Real processes (minutes of a 2-core machine): in CI's `pytest -m slow`; the same
+    # buffers on 4 devices of one process are in the default run (tests/test_global.py,
+    # tests/test_layers.py, tests/test_sharding.py).
+    SLOW,
+]
 
 
 def _free_port() -> int:
