@@ -81,8 +81,7 @@ class GlobalReplay(AbstractGlobalBuffer, AbstractReplay):
         axis: str | None = None,
         shards: AbstractReplay | None = None,
     ):
-        """`AbstractGlobalBuffer`'s, declared again for type checkers (which would make one
-        of the fields, as for a dataclass)."""
+        """`AbstractGlobalBuffer`'s, declared for type checkers (they would make one)."""
         super().__init__(mesh, make, axis=axis, shards=shards)
 
     @staticmethod

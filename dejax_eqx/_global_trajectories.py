@@ -97,8 +97,7 @@ class GlobalTrajectoryBuffer(AbstractGlobalBuffer, AbstractTrajectoryBuffer):
         axis: str | None = None,
         shards: AbstractTrajectoryBuffer | None = None,
     ):
-        """`AbstractGlobalBuffer`'s, declared again for type checkers (which would make one
-        of the fields, as for a dataclass)."""
+        """`AbstractGlobalBuffer`'s, declared for type checkers (they would make one)."""
         super().__init__(mesh, make, axis=axis, shards=shards)
 
     @staticmethod
