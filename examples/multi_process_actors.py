@@ -64,10 +64,7 @@ _START = time.perf_counter()  # wall time is reported from here: imports and com
 
 import argparse
 import dataclasses
-import hashlib
 import os
-import socket
-import subprocess
 import sys
 import threading
 import traceback
@@ -79,11 +76,12 @@ import dejax_eqx as dx
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import multi_process_dqn  # beside this file: the process plumbing, shared with that example
 import numpy as np
 import optax
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
+from multi_process_dqn import params_identical, replicated
 
 
 AXIS = "replay"  # the mesh's one axis: the replay's shards
@@ -170,17 +168,6 @@ def make_update(cfg: Config, optimiser: optax.GradientTransformation):
         return Learner(net, target, opt_state)
 
     return update
-
-
-def replicated(mesh: Mesh, make: Callable[[], Any]) -> Any:
-    """`make()` (deterministic), computed inside `jax.jit` by every process and placed whole on
-    every device of `mesh`: nothing is sent."""
-    shape = eqx.filter_eval_shape(make)
-    static = eqx.filter(shape, lambda x: not isinstance(x, jax.ShapeDtypeStruct))
-    dynamic = jax.jit(
-        lambda: eqx.filter(make(), eqx.is_array), out_shardings=NamedSharding(mesh, P())
-    )()
-    return eqx.combine(dynamic, static)
 
 
 def on_this_device(tree: PyTree) -> PyTree:
@@ -392,19 +379,6 @@ def learner_loop(
 # --- One process ----------------------------------------------------------------------------------
 
 
-def params_identical(tree: PyTree) -> bool:
-    """Whether every device of every process holds the same bits of every array of `tree`."""
-    leaves = jax.tree.leaves(eqx.filter(tree, eqx.is_array))
-    digests = []
-    for device in range(len(jax.local_devices())):
-        digest = hashlib.sha256()
-        for leaf in leaves:
-            digest.update(np.asarray(leaf.addressable_shards[device].data).tobytes())
-        digests.append(np.frombuffer(digest.digest(), np.uint32))
-    everyone = multihost_utils.process_allgather(np.stack(digests)).reshape(-1, 8)
-    return bool((everyone == everyone[0]).all())
-
-
 def run_process(args: argparse.Namespace) -> int:
     # These must come before JAX starts its CPU backend. The device count concerns the CPU
     # platform only: a GPU or TPU host uses its own devices.
@@ -599,52 +573,10 @@ def run_process(args: argparse.Namespace) -> int:
 # --- The launcher ---------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    """A port free now (another program could still take it before process 0 does: then the
-    processes fail to start, and say so)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(args: argparse.Namespace) -> int:
-    """Start `args.processes` copies of this script on this machine, one per process id, and
-    wait for them; if one fails, or they outlast the budget, stop the others."""
-    common = [
-        *("--processes", str(args.processes), "--seed", str(args.seed)),
-        *("--devices-per-process", str(args.devices_per_process)),
-        *("--actors-per-process", str(args.actors_per_process)),
-        *("--max-seconds", str(args.max_seconds), "--coordinator", f"127.0.0.1:{free_port()}"),
-        *(["--smoke"] if args.smoke else []),
-    ]
-    children = [
-        subprocess.Popen([sys.executable, __file__, *common, "--process-id", str(i)])
-        for i in range(args.processes)
-    ]
-    # Each process stops itself after --max-seconds; the margin is for its last evaluation and
-    # the threads' shutdown.
-    limit = args.max_seconds + 90
-    failure = None
-    while failure is None:
-        codes = [child.poll() for child in children]
-        failed = [i for i, code in enumerate(codes) if code]
-        if failed:
-            failure = f"process {failed[0]} exited with status {codes[failed[0]]}"
-        elif None not in codes:
-            break
-        elif time.perf_counter() - _START > limit:
-            failure = f"the processes were still running after {limit:g} s"
-        else:
-            time.sleep(0.1)
-    for child in children:
-        if child.poll() is None:
-            child.kill()  # waiting, maybe forever, in a collective with one that failed
-        child.wait()
-    print(f"launcher: {args.processes} processes, {time.perf_counter() - _START:.1f} s in all")
-    if failure is not None:
-        print(f"FAILED: {failure}", file=sys.stderr)
-        return 1
-    return 0
+    """`multi_process_dqn.launch` of this script, with its actor threads' argument."""
+    extra = ["--actors-per-process", str(args.actors_per_process)]
+    return multi_process_dqn.launch(args, __file__, extra, margin=90.0)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

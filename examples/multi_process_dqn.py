@@ -620,21 +620,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(args: argparse.Namespace) -> int:
-    """Start `args.processes` copies of this script on this machine, one per process id, and
-    wait for them; if one fails, or they outlast the budget, stop the others."""
+def launch(
+    args: argparse.Namespace,
+    script: str = __file__,
+    extra: list[str] | None = None,
+    margin: float = 60.0,
+) -> int:
+    """Start `args.processes` copies of `script` (this one, or another example built on these
+    functions, with its `extra` arguments) on this machine, one per process id, and wait for
+    them; if one fails, or they outlast the budget, stop the others."""
     common = [
         *("--processes", str(args.processes), "--seed", str(args.seed)),
         *("--devices-per-process", str(args.devices_per_process)),
         *("--max-seconds", str(args.max_seconds), "--coordinator", f"127.0.0.1:{free_port()}"),
         *(["--smoke"] if args.smoke else []),
+        *(extra or []),
     ]
     children = [
-        subprocess.Popen([sys.executable, __file__, *common, "--process-id", str(i)])
+        subprocess.Popen([sys.executable, script, *common, "--process-id", str(i)])
         for i in range(args.processes)
     ]
-    # Each process stops itself after --max-seconds; the margin is for its last evaluation.
-    limit = args.max_seconds + 60
+    # Each process stops itself after --max-seconds; `margin` is for its last evaluation (and,
+    # with threads, their shutdown).
+    limit = args.max_seconds + margin
     failure = None
     while failure is None:
         codes = [child.poll() for child in children]
