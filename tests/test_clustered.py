@@ -19,6 +19,8 @@ from .helpers import (
     enable_x64,
     random_batch,
     random_item,
+    rotation,
+    SLOW,
     SPECS,
     to_numpy,
     unstack,
@@ -185,7 +187,7 @@ def _check_frequencies(labels, model):
     assert_frequencies(counts, model.probabilities(), alpha=1e-6)
 
 
-@pytest.mark.parametrize("power", [0.0, 1.0, 0.5])
+@pytest.mark.parametrize("power", rotation([0.0, 1.0, 0.5], 2, keep=1))
 def test_sampling_matches_exact_probabilities(power):
     # Unequal clusters: 5 items; 20 items into 8 slots (wrapped: the oldest 12 are gone);
     # an empty cluster, which must never be drawn; 2 items.
@@ -332,7 +334,7 @@ def _prioritised(power):
     return _set_priorities(replay, *map(jnp.asarray, update)), model
 
 
-@pytest.mark.parametrize("power", [0.0, 1.0])
+@pytest.mark.parametrize("power", rotation([0.0, 1.0], 1, keep=1))
 def test_prioritised_inner_samples_cluster_then_priority(power):
     replay, model = _prioritised(power)
     drawn = _draws(replay, jax.random.key(7))
@@ -352,7 +354,7 @@ def test_prioritised_inner_samples_cluster_then_priority(power):
     _check_frequencies(drawn.items, model)
 
 
-@pytest.mark.parametrize("power", [0.0, 1.0])
+@pytest.mark.parametrize("power", rotation([0.0, 1.0], 0, keep=1))
 def test_prioritised_inner_never_draws_a_cluster_whose_items_all_have_priority_0(power):
     # Cluster 0 holds 5 items, all of priority 0 after the update: it is not chosen (its
     # rows would be items of probability 0); cluster 1 takes every draw.
@@ -617,6 +619,7 @@ def test_prioritised_inner_drops_stale_priority_updates():
     np.testing.assert_allclose(after, want, rtol=1e-6)
 
 
+@SLOW
 def test_prioritised_inner_takes_the_deprecated_stamps_with_a_warning():
     # `set_priorities(stamps=...)`: the old name of `generations`, for one release.
     replay, _ = _prioritised(1.0)
@@ -635,6 +638,7 @@ def test_prioritised_inner_takes_the_deprecated_stamps_with_a_warning():
 _leaves = eqx.filter_vmap(lambda r: r.tree.leaves)  # one row per cluster
 
 
+@SLOW
 def test_prioritised_inner_takes_the_deprecated_three_argument_form_with_a_warning():
     # `set_priorities(cluster_ids, indices, priorities)`: the old form of
     # `set_priorities((cluster_ids, indices), priorities)`, for one release.

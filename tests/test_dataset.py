@@ -24,6 +24,8 @@ import pytest
 from dejax_eqx import _dataset
 from scipy import stats
 
+from .helpers import SLOW
+
 
 pytest.importorskip("tensorstore")
 
@@ -678,6 +680,7 @@ def test_a_writer_killed_before_its_commit_leaves_the_previous_end(tmp_path):
     _check_after_crash(path, [18], 6)
 
 
+@SLOW
 def test_a_writer_killed_as_a_large_write_starts_leaves_a_readable_dataset(tmp_path):
     # Killed as write 2 starts, 8,000 steps of 4 envs in 64-step chunks: the dataset ends
     # after write 1, or, if write 2 finished in the moment before the kill, after it.

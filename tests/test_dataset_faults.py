@@ -32,7 +32,7 @@ from tests.dataset_writer import (
     WINDOW,
     WRITES,
 )
-from tests.helpers import rotation
+from tests.helpers import rotation, SLOW
 
 
 pytest.importorskip("tensorstore")
@@ -199,7 +199,7 @@ STAGES = [
 ]
 
 
-@pytest.mark.parametrize("kind, stop", rotation(STAGES, 0, keep=3, several=True))
+@pytest.mark.parametrize("kind, stop", rotation(STAGES, 0, keep=2, several=True))
 def test_a_writer_killed_at_a_stage_leaves_its_previous_commit(tmp_path, kind, stop):
     stage, k = stop.split(":")
     path, done = _kill(tmp_path, kind, stop, lambda line: line == f"at {stage}")
@@ -217,7 +217,7 @@ LINES = {"append": 230, "write": 190, "prioritised": 340}
 RANDOM = [("append", 0), ("write", 2), ("prioritised", 3), ("prioritised", 4)]
 
 
-@pytest.mark.parametrize("kind, seed", RANDOM)
+@pytest.mark.parametrize("kind, seed", rotation(RANDOM, 0, keep=2, several=True))
 def test_a_writer_killed_at_a_random_point_leaves_a_commit(tmp_path, kind, seed):
     line = int(np.random.default_rng(seed).integers(1, LINES[kind]))
     path, done = _kill(tmp_path, kind, f"line:3:{line}", lambda text: text == "done 3")
@@ -259,7 +259,7 @@ def _contend(path: Path, mode: str) -> list[tuple[float, list[str]]]:
     return [(tag, out.splitlines()) for tag, out in zip((0.25, 0.75), outputs)]
 
 
-@pytest.mark.parametrize("mode", ["hold", "retry"])
+@pytest.mark.parametrize("mode", rotation(["hold", "retry"], 0, keep=1))
 def test_two_writer_processes_lose_nothing(tmp_path, mode):
     # `hold`: each keeps one Dataset for its 40 appends: one takes the lock, the other is
     # refused at its first append. `retry`: each opens the dataset for every append and tries
@@ -375,6 +375,7 @@ def test_a_flipped_bit_in_any_chunk_is_refused_naming_it(dataset):
     _check(dataset, "prioritised", WRITES)
 
 
+@SLOW
 def test_a_flipped_bit_in_the_manifest_is_refused(dataset):
     # A random bit of every byte: the checksum, the digits of every start and length, keys.
     rng = np.random.default_rng(2)

@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from .helpers import SLOW
+
 
 ROOT = Path(__file__).parent.parent
 
@@ -76,6 +78,7 @@ def test_every_listed_test_exists(test):
 STEP = {"x": jnp.zeros((), jnp.float32), "done": jnp.zeros((), jnp.bool_)}
 
 
+@SLOW
 def test_prioritised_trajectory_buffer_takes_the_old_keyword_form():
     # The window's parts as keywords, the sequence length named too: the old constructor form,
     # given entirely by keyword, as the positional one.

@@ -415,6 +415,7 @@ def _exercise_global_buffers(item, window) -> None:
     eqx.filter_eval_shape(limit, limited, jax.random.key(0))
 
 
+@SLOW
 def test_every_fault_message_is_collected(monkeypatch):
     # The extractor's rule for the faults' messages, held against what really reaches
     # `check_faults`: every function that calls it runs here, and every message it is given is
@@ -464,6 +465,7 @@ print("ok")
 """
 
 
+@SLOW
 def test_eqx_on_error_nan_poisons_every_lane():
     # What docs/jit-patterns.md says about EQX_ON_ERROR=nan. Equinox reads the variable when it
     # is imported, hence a fresh interpreter.

@@ -14,7 +14,7 @@ import pytest
 from dejax_eqx import PolicyAge
 from dejax_eqx._sequences import env_log_weights, Law, start_log_weights
 
-from .helpers import assert_frequencies, assert_tree_equal, to_numpy, unstack
+from .helpers import assert_frequencies, assert_tree_equal, rotation, to_numpy, unstack
 from .reference import (
     EmptyBufferError,
     ref_aged,
@@ -119,7 +119,8 @@ def _slot_ages(model, current):
 
 
 @pytest.mark.parametrize(
-    "decay, stratified", [(None, False), ("inverse", False), ("inverse", True)]
+    "decay, stratified",
+    rotation([(None, False), ("inverse", False), ("inverse", True)], 2, keep=1, several=True),
 )
 def test_prioritised_replay_frequencies_probabilities_and_weights(decay, stratified):
     buf, model = _prioritised(stratified=stratified)
@@ -324,7 +325,7 @@ def _prioritised_windows(rng, **kwargs):
     return buf, model
 
 
-@pytest.mark.parametrize("decay", [None, "inverse"])
+@pytest.mark.parametrize("decay", rotation([None, "inverse"], 1, keep=1))
 def test_prioritised_trajectory_frequencies_probabilities_and_weights(decay):
     buf, model = _prioritised_windows(np.random.default_rng(7))
     current, max_age = 20, 3

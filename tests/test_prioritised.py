@@ -18,6 +18,7 @@ from .helpers import (
     enable_x64,
     random_batch,
     random_item,
+    SLOW,
     SPECS,
     to_numpy,
     unstack,
@@ -477,6 +478,7 @@ def test_scan_carry_equals_python_loop():
     assert_tree_equal(to_numpy(scanned), to_numpy(replay))
 
 
+@SLOW
 def test_vmapped_draw_from_empty_replays_does_not_raise():
     # As ClusteredReplay does: draw from every copy, empty ones included, keep some rows.
     replays = eqx.filter_vmap(lambda p: dx.PrioritisedReplay(p, 5), in_axes=None, axis_size=3)(ITEM)

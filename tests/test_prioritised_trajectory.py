@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from hypothesis.stateful import initialize, invariant, precondition, rule, RuleBasedStateMachine
 
-from .helpers import assert_frequencies, unstack
+from .helpers import assert_frequencies, SLOW, unstack
 from .reference import (
     AllZeroError,
     BadPriorityError,
@@ -338,6 +338,7 @@ def test_with_streams_keeps_the_steps_at_fresh_priorities():
 DONE_STEP = {"pos": jnp.zeros((), jnp.int32), "done": jnp.zeros((), jnp.bool_)}
 
 
+@SLOW
 def test_deprecated_forms_still_work_with_a_warning():
     # The constructor's window arguments, `sample(episode_ends=..., done=...)` and
     # `slots_per_env`: the old forms, for one release.
@@ -431,6 +432,7 @@ def _near_the_top(window_size=4, max_length=8):
     return buf.with_streams(streams), count
 
 
+@SLOW
 def test_stamps_near_2_31_do_not_overflow():
     # `start + W <= count` overflows int32 for a start near 2**31: a window whose last step
     # is not yet taken passed for a stored one, and its update was written to a leaf. The
@@ -452,6 +454,7 @@ def test_stamps_near_2_31_do_not_overflow():
     np.testing.assert_array_equal(items, start[:, None] + np.arange(4))
 
 
+@SLOW
 def test_priorities_masses_and_beta_are_not_wrapped():
     buf, model = _make(CONFIGS[1])
     for _ in range(3):

@@ -17,6 +17,8 @@ from .helpers import (
     assert_tree_equal,
     enable_x64,
     random_batch,
+    rotation,
+    SLOW,
     SPECS,
     to_numpy,
     unstack,
@@ -444,7 +446,10 @@ def _frequencies(env, offset, probabilities: dict):
 
 
 @pytest.mark.parametrize("source", ["replay", "online"])
-@pytest.mark.parametrize("t, power", [(5, 0.0), (5, 1.0), (5, 2.0), (1, 1.0), (12, 1.0), (12, 2.0)])
+@pytest.mark.parametrize(
+    "t, power",
+    rotation([(5, 0.0), (5, 1.0), (5, 2.0), (1, 1.0), (12, 1.0), (12, 2.0)], 2, 2, several=True),
+)
 def test_start_frequencies_match_exact_probabilities(stats_buffer, source, t, power):
     buf, model, added = stats_buffer
     key = jax.random.key(1000 * t + int(10 * power) + (source == "online"))
@@ -691,6 +696,7 @@ def test_power_accepts_python_numbers_and_arrays():
         assert_tree_equal(sample(buf, key, power), expected)
 
 
+@SLOW
 def test_power_and_discount_are_not_wrapped():
     # Without 64-bit mode `jnp.asarray` wraps an int64: a power of 2**32 + 2 became 2 and a
     # discount of 2**32 + 1 became 1, both accepted silently.
@@ -896,6 +902,7 @@ def _three_steps():
     return buf
 
 
+@SLOW
 def test_sample_old_form_is_deprecated():
     buf = _three_steps()
     key = jax.random.key(0)
@@ -911,6 +918,7 @@ def test_sample_old_form_is_deprecated():
 SAMPLE_MIXED_IS_DEPRECATED = r"`TrajectoryBuffer.sample_mixed` is deprecated; use `sample\("
 
 
+@SLOW
 def test_sample_mixed_is_deprecated():
     # `sample_mixed(key, r, o, window, power)`: the old form of `sample(key, r + o, window,
     # distribution_power=power, source={"replay": r, "online": o})`, the same draws bit for bit.
