@@ -134,8 +134,8 @@ def per_shard(values: PyTree[Array], axis: str, n: int) -> PyTree[Array]:
 
 def assemble(rows: PyTree[Array], mine: Bool[Array, " b"], axis: str) -> PyTree[Array]:
     """The rows each device owns (`mine`, one flag per row of every leaf), put together in
-    every device: one all-reduce of the batch."""
-    return psum_words(_owned(rows, mine), axis)
+    every device: one all-reduce of the batch, laid out as `(rows, words per row)`."""
+    return psum_words(_owned(rows, mine), axis, rows=mine.shape[0])
 
 
 def assemble_with_faults(
@@ -166,20 +166,29 @@ def _owned(rows: PyTree[Array], mine: Bool[Array, " b"]) -> PyTree[Array]:
 _BITS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
 
-def psum_words(tree: PyTree[Array], axis: str) -> PyTree[Array]:
+def psum_words(tree: PyTree[Array], axis: str, *, rows: int | None = None) -> PyTree[Array]:
     """`psum` of every leaf of `tree` over `axis`, as one all-reduce: every leaf is turned
     into 32-bit words, side by side, and back. Values travel as their bits, so where only one
     device contributes a non-zero value (an assembled row), it comes back bit for bit
     (-0.0 and NaN payloads included), never as a sum of floats; and one collective costs one
     round trip, where one per leaf (as XLA leaves collectives of different dtypes) costs one
-    each. A bool leaf comes back as the count of devices where it holds (uint32)."""
+    each. A bool leaf comes back as the count of devices where it holds (uint32).
+
+    With `rows`, every leaf has that many rows (its leading axis), and the words are laid
+    out as `(rows, words per row)`, each leaf's in columns of their own. A batch is gathered
+    so: packed into one flat vector, XLA's CPU fusion reads every leaf's rows in one fusion
+    and computes the rows' indices again for every word (measured: a one-process sample of
+    256 rows of 129 words twice as slow); in columns, each leaf's gather stays a fusion of its
+    own and reads indices computed once."""
     leaves, treedef = jax.tree.flatten(tree)
     if not leaves:
         return tree
-    words = [_to_words(x) for x in leaves]
-    packed = jax.lax.psum(jnp.concatenate(words), axis)
-    splits = np.cumsum([w.shape[0] for w in words])[:-1]
-    parts = jnp.split(packed, splits)
+    per_row = -1 if rows is None else (rows, -1)
+    words = [_to_words(x).reshape(per_row) for x in leaves]
+    along = 0 if rows is None else 1
+    packed = jax.lax.psum(jnp.concatenate(words, axis=along), axis)
+    splits = np.cumsum([w.shape[along] for w in words])[:-1]
+    parts = jnp.split(packed, splits, axis=along)
     return jax.tree.unflatten(treedef, [_from_words(w, x) for w, x in zip(parts, leaves)])
 
 

@@ -194,9 +194,9 @@ def uniform(out: Path) -> None:
     sample_hlo = compiled(lambda b, k: (b, b.sample(k, 64)), buffer, jax.random.key(0))
     found = [(c.op, c.shapes) for c in collectives(sample_hlo) if c.every_step]
     print(f"sample's collectives: {found}", flush=True)
-    # A size per shard (one word each), and the batch (flat), each as one all-reduce of 32-bit
-    # words.
-    words = [f"u32[{n}]", f"u32[{64 * (ITEM_SHAPE[0] + 1)}]"]
+    # A size per shard (one word each), and the batch (a row of words per item), each as one
+    # all-reduce of 32-bit words.
+    words = [f"u32[{n}]", f"u32[64,{ITEM_SHAPE[0] + 1}]"]
     assert sorted(found) == sorted(("all-reduce", (w,)) for w in words), found
 
     c = np.asarray(counts(buffer, jax.random.key(7)))
