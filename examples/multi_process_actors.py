@@ -580,38 +580,13 @@ def launch(args: argparse.Namespace) -> int:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--processes", type=int, default=2)
-    parser.add_argument(
-        "--devices-per-process",
-        type=int,
-        default=1,
-        help="CPU devices per process (default 1); GPU and TPU hosts use their own",
+    parser = multi_process_dqn.process_arguments(
+        __doc__.split("\n\n")[0],
+        600.0,
+        "wall-clock budget of each process from its start, compilation included",
     )
     parser.add_argument("--actors-per-process", type=int, default=Config.actors_per_process)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--max-seconds",
-        type=float,
-        default=600.0,
-        help="wall-clock budget of each process from its start, compilation included",
-    )
-    parser.add_argument(
-        "--smoke",
-        action="store_true",
-        help="run a few hundred steps end to end without a learning threshold (for CI)",
-    )
-    parser.add_argument(
-        "--process-id",
-        type=int,
-        help="run as this process of a jax.distributed program (with --coordinator) instead "
-        "of starting every process here",
-    )
-    parser.add_argument("--coordinator", help="process 0's HOST:PORT")
-    args = parser.parse_args(argv)
-    if (args.process_id is None) != (args.coordinator is None):
-        parser.error("--process-id and --coordinator go together")
-    return args
+    return multi_process_dqn.parsed(parser, argv)
 
 
 def main(argv: list[str] | None = None) -> int:

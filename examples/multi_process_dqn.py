@@ -666,8 +666,13 @@ def launch(
     return 0
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def process_arguments(
+    description: str, max_seconds: float, seconds_help: str
+) -> argparse.ArgumentParser:
+    """The arguments of an example run as processes on this machine (this one, and the
+    examples built on its functions): how many, their devices, the seed, the budget, the
+    smoke run, and the two that make a started copy one process of the program."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument(
         "--devices-per-process",
@@ -676,13 +681,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="CPU devices per process (default 1); GPU and TPU hosts use their own",
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--max-seconds",
-        type=float,
-        default=300.0,
-        help="wall-clock budget of each process from its start, compilation included (default "
-        "300: a step waits on collectives between processes, slow on CPUs)",
-    )
+    parser.add_argument("--max-seconds", type=float, default=max_seconds, help=seconds_help)
     parser.add_argument(
         "--smoke",
         action="store_true",
@@ -695,10 +694,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "of starting every process here",
     )
     parser.add_argument("--coordinator", help="process 0's HOST:PORT")
+    return parser
+
+
+def parsed(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """`parser`'s arguments from `argv`, `--process-id` and `--coordinator` together or not
+    at all."""
     args = parser.parse_args(argv)
     if (args.process_id is None) != (args.coordinator is None):
         parser.error("--process-id and --coordinator go together")
     return args
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = process_arguments(
+        __doc__.split("\n\n")[0],
+        300.0,
+        "wall-clock budget of each process from its start, compilation included (default "
+        "300: a step waits on collectives between processes, slow on CPUs)",
+    )
+    return parsed(parser, argv)
 
 
 def main(argv: list[str] | None = None) -> int:
