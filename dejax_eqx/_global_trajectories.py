@@ -346,7 +346,10 @@ class GlobalTrajectoryBuffer(AbstractGlobalBuffer, AbstractTrajectoryBuffer):
 
         One writer per dataset, as `Dataset` requires: a shard lives on one device, whose
         process alone writes it. Every process calls it (no collective; on the host, between
-        jitted steps), and `load_datasets` reads the shards back.
+        jitted steps), and `load_datasets` reads the shards back. It returns once this
+        process's shards are written: to load them in the same program, wait for every
+        process's call to return first (`jax.experimental.multihost_utils.sync_global_devices`),
+        since adds do not keep the processes in step.
 
         **Returns:** the number of steps this process wrote.
 
@@ -613,10 +616,18 @@ def _check_shards_on_disk(root: Path, shards: int, call: str, *, writing: bool) 
                 f"`{call}`: no dataset for any shard under {str(root)!r}; {shards} shards "
                 "need one each (`root/shard-<k>`)."
             )
+        missing = [k for k in expected if k not in numbers]
+        unfinished = (
+            f" Or shards {missing} are not written yet: in one program, load only once every "
+            "process's `write_datasets` has returned (after a barrier such as "
+            "`jax.experimental.multihost_utils.sync_global_devices`)."
+            if missing and not beyond and not writing and jax.process_count() > 1
+            else ""
+        )
         raise ValueError(
             f"`{call}`: {str(root)!r} holds the datasets of shards {numbers}, but this buffer "
             f"has {shards} shards ({expected[0]}..{expected[-1]}): they were written by "
             "another number of shards, whose envs cannot be laid out on these. Use the "
-            "number of shards that wrote them. Nothing was "
+            f"number of shards that wrote them.{unfinished} Nothing was "
             f"{'written' if writing else 'read'}."
         )

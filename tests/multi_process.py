@@ -775,6 +775,8 @@ def datasets(out: Path) -> None:
         if t in (4, 8):
             written += buffer.write_datasets(out / f"datasets-{jax.process_count()}p")
     assert written == 9 * 2 * buffer.num_local_shards
+    # Adds have no collective: a process may reach its load while another still writes.
+    jax.experimental.multihost_utils.sync_global_devices("datasets written")
     loaded = dx.GlobalTrajectoryBuffer.load_datasets(
         out / f"datasets-{jax.process_count()}p", _mesh(), _dataset_shard
     )

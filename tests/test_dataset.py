@@ -217,6 +217,7 @@ def _assert_masses(ds: dx.Dataset, masses: dict) -> None:
         assert got[~np.isnan(got)].tobytes() == want[~np.isnan(want)].tobytes(), f"env {e}"
 
 
+@SLOW
 def test_prioritised_buffer_comes_back_with_its_priorities(tmp_path):
     buf, ds = _prioritised_history(tmp_path)
     like = eqx.filter_eval_shape(_prioritised)

@@ -65,16 +65,21 @@ def _public_docstrings() -> dict[str, str]:
 
 
 def _snippets():
-    # The README's and the docstrings' examples run in the README's test command, and each
-    # guide's first; the guides' other examples are `slow` (CI runs them: tests/helpers.py).
+    # The README's examples run in the README's test command, with each guide's first and
+    # every other docstring's (in name order); the rest are `slow` (CI runs them:
+    # tests/helpers.py).
     params = []
     for path in [*sorted(DOCS.glob("*.md")), ROOT / "README.md"]:
         for i, (line, code) in enumerate(python_blocks_with_lines(path.read_text())):
             marks = [SLOW] if i and path.parent == DOCS else []
             params.append(pytest.param(code, id=f"{path.relative_to(ROOT)}:{line}", marks=marks))
-    for qualname, doc in sorted(_public_docstrings().items()):
-        for line, code in python_blocks_with_lines(doc):
-            params.append(pytest.param(code, id=f"{qualname}:{line}"))
+    docstrings = [
+        (f"{qualname}:{line}", code)
+        for qualname, doc in sorted(_public_docstrings().items())
+        for line, code in python_blocks_with_lines(doc)
+    ]
+    for k, (name, code) in enumerate(docstrings):
+        params.append(pytest.param(code, id=name, marks=[SLOW] if k % 2 else []))
     return params
 
 

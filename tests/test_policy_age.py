@@ -14,7 +14,7 @@ import pytest
 from dejax_eqx import PolicyAge
 from dejax_eqx._sequences import env_log_weights, Law, start_log_weights
 
-from .helpers import assert_frequencies, assert_tree_equal, rotation, to_numpy, unstack
+from .helpers import assert_frequencies, assert_tree_equal, rotation, SLOW, to_numpy, unstack
 from .reference import (
     EmptyBufferError,
     ref_aged,
@@ -347,6 +347,7 @@ def test_prioritised_trajectory_frequencies_probabilities_and_weights(decay):
     assert_frequencies(*_cells(expected, drawn), alpha=1e-6)
 
 
+@SLOW
 def test_prioritised_trajectory_weights_are_those_of_sample_when_nothing_is_excluded():
     buf, model = _prioritised_windows(np.random.default_rng(9))
     s = _by_age_beta(buf, jax.random.key(10), _age(20), 2000, BETA)
@@ -388,6 +389,7 @@ def test_policy_age_arguments_are_checked():
     assert age.current.dtype == jnp.int32 and int(age.current) == 7 and int(age.max_age) == 2
 
 
+@SLOW
 def test_errors_of_the_replays():
     empty = dx.UniformReplay(ITEM, 6)
     key = jax.random.key(0)

@@ -276,6 +276,7 @@ def test_stamp_of_gives_the_stamps_of_drawn_leaves():
         buf.stamp_of(np.asarray([0, capacity], np.int32))
 
 
+@SLOW
 def test_window_priorities_round_trip():
     buf, model = _filled(CONFIGS[0], np.random.default_rng(6))
     masses = buf.window_priorities()

@@ -625,6 +625,7 @@ def _trajectory_ops(limited, buf, key):
     return limited, buf, got, want, counted
 
 
+@SLOW
 def test_rate_limited_trajectory_buffer_counts_steps_and_rows():
     buf = dx.TrajectoryBuffer(ITEM, num_envs=3, max_length=8)
     run = eqx.filter_jit(_trajectory_ops)

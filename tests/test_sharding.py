@@ -23,7 +23,7 @@ import pytest
 from hypothesis import given, settings
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from .helpers import assert_bits_equal, profile_max_examples, python_blocks, rotation, SPECS
+from .helpers import assert_bits_equal, profile_max_examples, python_blocks, rotation, SLOW, SPECS
 from .hlo import aliased_parameters, collectives
 from .registry import batch_args, BUFFER_TYPES, filled, filled_batch
 from .test_io import batch_step, BUFFER_CASES, make_batch, MAX_SIZES, on_default_device, SPEC_NAMES
@@ -484,6 +484,7 @@ def _state_shardings(state: _TrainState, mesh) -> _TrainState:
     )
 
 
+@SLOW
 def test_orbax_checkpoints_sharded_buffers_and_restores_them_on_other_meshes(tmp_path):
     ocp = pytest.importorskip("orbax.checkpoint")
     auto = (AxisType.Auto,)  # XLA places the gathers of an eager sample

@@ -165,7 +165,7 @@ def test_scan_carry_equals_python_loop(t):
 COPIES = 3
 
 
-@pytest.mark.parametrize("t", rotation(BUFFER_TYPES, 4, keep=1), ids=_type_id)
+@pytest.mark.parametrize("t", rotation(BUFFER_TYPES, 1, keep=1), ids=_type_id)
 def test_vmap_batch_of_buffers(t):
     # `eqx.filter_vmap` makes a batch of empty buffers: a leading axis on every array, the
     # static fields of one buffer.
