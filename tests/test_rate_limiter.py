@@ -14,6 +14,7 @@
 import functools
 import json
 import math
+import os
 import re
 import struct
 from fractions import Fraction
@@ -475,10 +476,12 @@ def test_filter_jit_donation_reuses_the_counters_and_the_buffer():
     new = step(limiter)
     assert new.counts() == (3, 3)
     assert limiter.inserts.is_deleted() and limiter.samples.is_deleted()
-    # The counters are two words each. Under pytest, jax 0.5.3 gave one of them a new buffer
-    # in about a third of the runs (never in a script, never on jax 0.10.2; cause not found),
-    # so there the test asks only that the donated counters are consumed.
-    if jax.__version_info__ >= (0, 6):
+    # jax 0.5.3's CPU backend compiled at the tests' `xla_backend_optimization_level=0`
+    # (conftest.py) writes the two-word `samples` counter to a new buffer (8 of 8 calls in a
+    # script with that flag, 0 of 8 without it; jax 0.10.2 reuses it either way): only that
+    # pairing is spared the pointer check, the donated counters are consumed in every case.
+    unoptimised = "xla_backend_optimization_level=0" in os.environ.get("XLA_FLAGS", "")
+    if jax.__version_info__ >= (0, 6) or not unoptimised:
         assert [x.unsafe_buffer_pointer() for x in (new.inserts, new.samples)] == pointers
 
     # A RateLimited buffer is updated in place, as the bare buffer is.
