@@ -43,6 +43,7 @@ from ._rate_limited import (
     RateLimitedTrajectoryBuffer as RateLimitedTrajectoryBuffer,
 )
 from ._rate_limiter import RateLimiter as RateLimiter
+from ._results import Result as Result, RESULTS as RESULTS
 from ._service import (
     RateLimitTimeout as RateLimitTimeout,
     ReplayService as ReplayService,

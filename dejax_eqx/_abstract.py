@@ -23,6 +23,7 @@ from ._faults import check_faults, Fault
 from ._laws import AbstractLaw, draw_from, sample_with, split_union
 from ._nstep import NStep
 from ._policy_age import PolicyAge
+from ._results import reports, Result
 from ._streams import check_newest, check_stale, checked_streams, Streams
 from ._windows import Window
 
@@ -64,7 +65,52 @@ class AbstractBuffer(eqx.Module):
     layer that keeps the buffer elsewhere (a `Dataset`) keeps besides its contents: the
     priorities of its windows and the counts of a rate-limited buffer (`None` where there
     are none). `AbstractReplay` and `AbstractTrajectoryBuffer` inherit it; a buffer type of
-    your own inherits it through them."""
+    your own inherits it through them.
+
+    It also says how the buffer reports a fault (a fact that depends on data: an empty
+    buffer, an index out of range): by raising (`throw=True`, the default of every
+    constructor), or as a `Result` (`throw=False`; see `result` and `check`). A buffer of
+    the library keeps its result in a field `result` (`None` with `throw=True`); a buffer
+    type of your own without that field raises."""
+
+    @property
+    def throw(self) -> bool:
+        """Whether faults raise (`True`) or are kept as `result` (`False`): a static fact of
+        the buffer, fixed by its constructor's `throw`."""
+        return getattr(self, "result", None) is None
+
+    def with_result(self: _B, result: Result) -> _B:
+        """The buffer holding `result` (a `throw=False` buffer's; for the library's
+        methods, which keep the first fault)."""
+        if self.throw:
+            raise TypeError(f"`{type(self).__name__}.with_result`: the buffer raises its faults.")
+        return eqx.tree_at(lambda b: b.result, self, result)  # pyright: ignore[reportAttributeAccessIssue]
+
+    def with_throw(self: _B, throw: bool) -> _B:
+        """This buffer, reporting its faults as `throw` says (see the constructors' `throw`):
+        for a buffer made elsewhere (`dx.load`, a `Dataset`, the flashbax layer). A buffer
+        that becomes `throw=False` starts with no fault; one that becomes `throw=True` drops
+        the fault it held (check it first). A buffer type of your own without a `result`
+        field only raises."""
+        if not isinstance(throw, bool):
+            raise TypeError(f"`{type(self).__name__}.with_throw(throw=...)` must be a bool.")
+        if throw == self.throw:
+            return self
+        if not hasattr(self, "result"):
+            raise TypeError(
+                f"`{type(self).__name__}.with_throw`: this buffer type has no `result` field, "
+                "so it can only raise its faults."
+            )
+        new = None if throw else Result.successful()
+        return eqx.tree_at(lambda b: b.result, self, new, is_leaf=lambda x: x is None)  # pyright: ignore[reportAttributeAccessIssue]
+
+    def check(self) -> None:
+        """Raise the first fault this buffer holds, as `equinox.EquinoxRuntimeError` with
+        the message `throw=True` would have raised at the faulty call; nothing if it holds
+        none or raises its faults itself (`throw=True`). On the host, outside `jit`."""
+        result = getattr(self, "result", None)
+        if result is not None:
+            result.check()
 
     @property
     def layered(self) -> bool:
@@ -219,6 +265,7 @@ class AbstractReplay(AbstractBuffer):
         arguments' values, each message quoting `call`.
         """
 
+    @reports
     def sample(
         self,
         key: PRNGKeyArray,
@@ -269,6 +316,7 @@ class AbstractReplay(AbstractBuffer):
         and dtypes (checked at trace time).
         """
 
+    @reports
     def add_and_sample(
         self: _R, items: PyTree[ArrayLike], key: PRNGKeyArray, batch_size: int
     ) -> tuple[_R, Any]:
@@ -320,6 +368,7 @@ class AbstractReplay(AbstractBuffer):
         without priorities is returned as it is."""
         return self
 
+    @reports
     def stale(
         self,
         indices: Indices,
@@ -491,6 +540,7 @@ class AbstractTrajectoryBuffer(AbstractBuffer):
         **Raises:** `ValueError` at once if `streams` has another configuration.
         """
 
+    @reports
     def peek(
         self,
         env_ids: Integer[ArrayLike, "*n"] | None = None,
@@ -516,6 +566,7 @@ class AbstractTrajectoryBuffer(AbstractBuffer):
         call = f"{type(self).__name__}.peek"
         return check_faults(*check_newest(self.streams, env_ids, call, mask=mask))
 
+    @reports
     def stale(
         self,
         env_ids: Integer[ArrayLike, "*n"],
@@ -574,6 +625,7 @@ class AbstractTrajectoryBuffer(AbstractBuffer):
             f"`{call or name + '.sample'}`: a {name} is not sampled; read it with `pop`."
         )
 
+    @reports
     def sample(
         self,
         key: PRNGKeyArray,

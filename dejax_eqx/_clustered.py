@@ -24,6 +24,7 @@ from ._deprecated import renamed, warn_replaced
 from ._faults import check_faults, Fault, guarded, is_concrete, vmap_checked
 from ._laws import AbstractLaw, Draw
 from ._policy_age import PolicyAge
+from ._results import inherited_result, reports, Result
 from ._storage import check_batch
 
 
@@ -81,6 +82,9 @@ class ClusteredReplay(AbstractReplay):
     num_clusters: int = eqx.field(static=True)
     cluster_fn: Callable[[PyTree[Array]], Integer[ArrayLike, ""]] = eqx.field(static=True)
     distribution_power: float = eqx.field(static=True)
+    result: Result | None
+    """The first fault of the buffer's calls, as a `Result`, if it was built with
+    `throw=False` (see `check`); `None` if it raises its faults (`throw=True`)."""
 
     def __init__(
         self,
@@ -88,6 +92,8 @@ class ClusteredReplay(AbstractReplay):
         num_clusters: int,
         cluster_fn: Callable[[PyTree[Array]], Integer[ArrayLike, ""]],
         distribution_power: float = 0.0,
+        *,
+        throw: bool | None = None,
     ):
         """**Arguments:**
 
@@ -102,6 +108,8 @@ class ClusteredReplay(AbstractReplay):
             use it again.
         - `distribution_power`: a finite Python float; a draw picks non-empty cluster `c` with
             probability proportional to `size_c ** distribution_power`.
+        - `throw`: how a fault is reported (as `UniformReplay`'s `throw`); `None` (the
+            default): as the buffer it is made over reports its own.
         """
         if not isinstance(inner, AbstractReplay):
             raise TypeError(
@@ -136,6 +144,7 @@ class ClusteredReplay(AbstractReplay):
                 f"every cluster), but it holds {plural(int(size), 'item')}."
             )
         check_index_fn(inner.item_spec, cluster_fn, "ClusteredReplay(cluster_fn=...)")
+        self.result = inherited_result(throw, inner, "ClusteredReplay(throw=...)")
         self.clusters = jax.tree.map(
             lambda x: jnp.broadcast_to(x, (self.num_clusters, *x.shape)) if eqx.is_array(x) else x,
             inner,
@@ -174,11 +183,13 @@ class ClusteredReplay(AbstractReplay):
         )
         return one.item_spec
 
+    @reports
     def add(self: _C, item: PyTree[ArrayLike]) -> _C:
         call = "ClusteredReplay.add"
         item, _ = check_items(self.item_spec, item, call, batched=False)
         return self._insert(jax.tree.map(lambda x: x[None], item), None, call)
 
+    @reports
     def add_batch(
         self: _C, items: PyTree[ArrayLike], *, mask: Bool[ArrayLike, " n"] | None = None
     ) -> _C:
@@ -208,6 +219,7 @@ class ClusteredReplay(AbstractReplay):
         owner, local = self.clusters.split_indices(local)
         return owner, (jnp.asarray(ids), local)
 
+    @reports
     def set_priorities(
         self: _C,
         indices: Indices,
@@ -284,6 +296,7 @@ class ClusteredReplay(AbstractReplay):
                     f"[0, {self.num_clusters})",
                 )
             ],
+            safe=jnp.full_like(ids, self.num_clusters),  # recording: no cluster is updated
         )
 
         def set_in(cluster: AbstractPrioritisedReplay, c: Int[Array, ""]):
@@ -295,6 +308,7 @@ class ClusteredReplay(AbstractReplay):
         clusters, faults = vmap_checked(set_in, self.clusters, every)
         return eqx.tree_at(lambda r: r.clusters, self, guarded(clusters, faults))
 
+    @reports
     def note_priorities(
         self: _C,
         indices: Indices,
@@ -315,6 +329,7 @@ class ClusteredReplay(AbstractReplay):
         clusters = eqx.filter_vmap(note_in)(self.clusters, every)
         return eqx.tree_at(lambda r: r.clusters, self, clusters)
 
+    @reports
     def update(self: _C, fn: Callable[[PyTree[Array]], PyTree[Array]]) -> _C:
         check_fn_output(self.item_spec, fn, "ClusteredReplay.update")
         clusters, faults = vmap_checked(lambda r: r.update(fn), self.clusters)
@@ -335,6 +350,7 @@ class ClusteredReplay(AbstractReplay):
                     f"[0, {self.num_clusters})",
                 )
             ],
+            safe=jnp.full_like(ids, self.num_clusters),  # recording: no cluster takes an item
         )
 
         def add_to(cluster: AbstractReplay, c: Int[Array, ""]) -> AbstractReplay:

@@ -54,6 +54,7 @@ from ._dataset_files import (
     Writer,
 )
 from ._faults import is_concrete
+from ._results import check_results
 from ._sequences import draw_whole_windows, whole_windows
 from ._streams import gather_steps, Streams
 from ._windows import as_whole_window, mask_windows, SequenceSample, Window
@@ -279,6 +280,7 @@ class Dataset:
         `TypeError` for a traced or abstract buffer, and `RuntimeError` as for `append`.
         """
         call = "Dataset.write"
+        check_results(buffer, call)  # a `throw=False` buffer's fault is refused
         t, manifest, priorities, new, start = _planned(self._manifest, buffer, call)
         self._writer.begin(call)
         steps = _newest(t, new)

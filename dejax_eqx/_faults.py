@@ -8,10 +8,11 @@ itself where and when a fault is raised (a global buffer raises a shard's fault 
 process; a layer that vectorises buffers checks every lane once).
 """
 
+import contextlib
 import os
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import equinox as eqx
@@ -86,7 +87,81 @@ def _passed(x: PyTree, token: Any, order_reads: bool) -> PyTree:
     return eqx.combine(arrays, rest)
 
 
-def check_faults(x: PyTree, faults: Sequence[Fault], *, order_reads: bool = True) -> PyTree:
+def recording(fn: Callable[[], _T], *, record: bool) -> tuple[_T, list[Fault] | None]:
+    """`fn()` as a public call of a buffer: `(out, faults)`.
+
+    The outermost public call decides how every fault inside it is reported, in the calls it
+    makes of other buffers too (a layer's shards, a wrapper's buffer), whatever those were
+    built with: raised (`record=False`, a `throw=True` buffer; `faults` is `None`), or
+    recorded and returned (`record=True`, a `throw=False` buffer), with no conditional and no
+    callback compiled. A call made inside another runs as that one decided (`faults` is
+    `None`)."""
+    if getattr(_local, "mode", None) is not None:
+        return fn(), None
+    _local.mode = "record" if record else "raise"
+    try:
+        if record:
+            out, found = collect_faults(fn)
+            return out, list(found)
+        return fn(), None
+    finally:
+        _local.mode = None
+
+
+@contextlib.contextmanager
+def vetoing(faults: Sequence[Fault]) -> Iterator[None]:
+    """Inside a recording call (`throw=False`), every write made in this block is dropped
+    where one of `faults` holds (or an enclosing block's): the write primitives of the
+    storage, the streams and the priorities ask `veto()`. Faults are checked before the
+    writes they guard, so that a faulty call changes nothing. Elsewhere, a faulty call
+    raises (or poisons, with `EQX_ON_ERROR=nan`), and this does nothing."""
+    if not faults or not is_recording():
+        yield
+        return
+    preds = [jnp.any(jnp.asarray(pred)) for pred, _ in faults]
+    outer = veto()
+    bad = jnp.any(jnp.stack(preds))
+    _vetoes().append(bad if outer is None else outer | bad)
+    try:
+        yield
+    finally:
+        _vetoes().pop()
+
+
+@contextlib.contextmanager
+def carried_veto(vetoed: Bool[Array, ""] | None) -> Iterator[None]:
+    """Inside a `shard_map` (or any trace of its own), the veto of the enclosing call, as the
+    trace received it (`vetoed`, an argument; `None`: none), in place of the outer one (a
+    tracer of the outer trace)."""
+    saved = _vetoes()[:]
+    _vetoes()[:] = [] if vetoed is None else [vetoed]
+    try:
+        yield
+    finally:
+        _vetoes()[:] = saved
+
+
+def veto() -> Bool[Array, ""] | None:
+    """Whether the writes made now must be dropped (see `vetoing`), or `None` where
+    nothing can drop them."""
+    stack = _vetoes()
+    return stack[-1] if stack else None
+
+
+def _vetoes() -> list[Bool[Array, ""]]:
+    if not hasattr(_local, "vetoes"):
+        _local.vetoes = []
+    return _local.vetoes
+
+
+def is_recording() -> bool:
+    """Whether faults are being recorded: inside a public call of a `throw=False` buffer."""
+    return getattr(_local, "mode", None) == "record"
+
+
+def check_faults(
+    x: PyTree, faults: Sequence[Fault], *, order_reads: bool = True, safe: PyTree = None
+) -> PyTree:
     """Return `x`, after raising the message of the first fault that holds.
 
     The one runtime check of the library: every data-dependent fault of every buffer goes
@@ -117,8 +192,29 @@ def check_faults(x: PyTree, faults: Sequence[Fault], *, order_reads: bool = True
 
     `EQX_ON_ERROR` is honoured: `nan` poisons `x` (NaN for floats, the largest value for
     integers, `True` for bools) where a fault holds, `off` skips the checks.
+
+    - Inside a public call of a `throw=False` buffer (`recording`), nothing is compiled
+        but the faults' conditions: they are recorded for the call's result, and `x` is
+        returned as it is, or, where a fault holds, as `safe` (a pytree like `x`): what a
+        write uses so that a faulty call changes nothing (its slots out of range, its
+        counters as they were). `EQX_ON_ERROR` does not apply.
     """
-    if not faults or _ON_ERROR == "off":
+    if not faults:
+        return x
+    if is_recording():
+        preds = [jnp.any(jnp.asarray(pred)) for pred, _ in faults]
+        messages = [msg for _, msg in faults]
+        site = None if all(is_concrete(p) for p in preds) else _call_site()
+        if site is not None:  # which call it was, as a raised fault says it
+            messages = [f"{msg}\n  (called at {site})" for msg in messages]
+        _collectors()[-1].extend(zip(preds, messages))
+        if safe is None:
+            return x
+        bad = jnp.any(jnp.stack(preds))
+        outer = veto()
+        bad = bad if outer is None else bad | outer
+        return jax.tree.map(lambda s, a: jnp.where(bad, s, a), safe, x)
+    if _ON_ERROR == "off":
         return x
     preds = [jnp.any(jnp.asarray(pred)) for pred, _ in faults]
     messages = [msg for _, msg in faults]
@@ -193,7 +289,7 @@ def guarded(module: _T, faults: Sequence[Fault]) -> _T:
     made a new buffer and checks its faults after the fact. A small array keeps the check
     alive without a copy of the storage; the buffer's own operations have ordered their
     reads already."""
-    if not faults or _ON_ERROR == "off":
+    if not faults or (_ON_ERROR == "off" and not is_recording()):
         return module
     arrays = [x for x in jax.tree.leaves(module) if eqx.is_array(x)]
     smallest = min(range(len(arrays)), key=lambda i: arrays[i].size)

@@ -20,8 +20,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, ArrayLike, Bool, PRNGKeyArray, PyTree
 
 from ._checks import as_float, check_mask, check_positive_int, plural
-from ._faults import check_faults, collect_faults, Fault, guarded
+from ._faults import check_faults, collect_faults, Fault, guarded, vetoing
 from ._laws import AbstractLaw
+from ._results import inherited_result, Result
 from ._shard_map import (
     assemble,
     assemble_with_faults,
@@ -31,6 +32,7 @@ from ._shard_map import (
     put,
     replicated_faults,
     run,
+    shard_mapped,
 )
 
 
@@ -61,6 +63,9 @@ class AbstractGlobalBuffer(eqx.Module, Generic[_B]):
     length `num_shards`, split over the mesh."""
     mesh: Mesh = eqx.field(static=True)
     axis: str = eqx.field(static=True)
+    result: Result | None
+    """The first fault of the buffer's calls, as a `Result`, if it was built with
+    `throw=False` (see `check`); `None` if it raises its faults (`throw=True`)."""
 
     def __init__(
         self,
@@ -69,6 +74,7 @@ class AbstractGlobalBuffer(eqx.Module, Generic[_B]):
         *,
         axis: str | None = None,
         shards: _B | None = None,
+        throw: bool | None = None,
     ):
         """**Arguments:**
 
@@ -82,6 +88,8 @@ class AbstractGlobalBuffer(eqx.Module, Generic[_B]):
             Over the mesh's other axes, if any, every shard is replicated.
         - `shards`: instead of `make`, the shards themselves, already stacked and placed (as
             `from_process_local` and `jax.tree.map` give them).
+        - `throw`: how a fault is reported (as `UniformReplay`'s `throw`), the same in every
+            process; `None` (the default): as the shards report their own.
 
         **Raises:** `ValueError`/`TypeError` at once if the mesh has no such axis (or several
         axes and none named), if `make` gives something that is not one of the buffers
@@ -108,6 +116,7 @@ class AbstractGlobalBuffer(eqx.Module, Generic[_B]):
                 f"{sorted(leading, key=str)}."
             )
         self.shards = shards
+        self.result = inherited_result(throw, shards, f"{call}(throw=...)")
 
     # ------------------------------------------------------------------ construction
 
@@ -455,7 +464,8 @@ def add_blocks(
     that holds it, which made those rows."""
 
     def local(shard: Any, blocks: Any, preds: list[Array]) -> Any:
-        new, found = collect_faults(lambda: add(shard, *blocks))
+        with vetoing(list(zip(preds, messages))):  # recording: a faulty block adds nothing
+            new, found = collect_faults(lambda: add(shard, *blocks))
         return guarded(new, [*zip(preds, messages), *renamed(found, shard_call, call)])
 
     return layout.update(shards, local, blocks, preds, sharded=True)
@@ -485,8 +495,9 @@ def routed_write(
     def local(shard: Any, names: Any, args: Any, mask: Array, preds: list[Array]) -> Any:
         owner, local_names = split(shard, names)
         owned = mask & (owner == jax.lax.axis_index(axis))
-        new, found = collect_faults(lambda: write(shard, local_names, *args, mask=owned))
-        new = note(new, local_names, *args, mask=mask & ~owned)
+        with vetoing(list(zip(preds, messages))):  # recording: a faulty call writes nothing
+            new, found = collect_faults(lambda: write(shard, local_names, *args, mask=owned))
+            new = note(new, local_names, *args, mask=mask & ~owned)
         faults = replicated_faults(renamed(found, shard_call, call), axis)
         return guarded(new, [*zip(preds, messages), *faults])
 
@@ -588,13 +599,7 @@ def map_rows(layout: Layout, fn: Callable[..., Any], per_shard: Any, shared: Any
         rows = jax.tree.map(lambda x: x[0], per_shard)
         return fn(rows, eqx.combine(arrays, static), axis, n)
 
-    mapped = jax.shard_map(  # pyright: ignore[reportAttributeAccessIssue]
-        body,
-        mesh=layout.mesh,
-        in_specs=(P(axis), P()),
-        out_specs=(P(axis), P()),
-        axis_names={axis},
-    )
+    mapped = shard_mapped(body, layout.mesh, axis, (P(axis), P()), (P(axis), P()))
     placed = (
         jax.tree.map(lambda x: place(x, layout.sharding), per_shard),
         jax.tree.map(lambda x: place(x, NamedSharding(layout.mesh, P())), arrays),

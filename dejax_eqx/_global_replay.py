@@ -30,6 +30,7 @@ from ._global import (
 )
 from ._laws import AbstractLaw
 from ._policy_age import PolicyAge
+from ._results import reports
 from ._shard_map import run
 from ._storage import check_batch
 
@@ -80,9 +81,10 @@ class GlobalReplay(AbstractGlobalBuffer, AbstractReplay):
         *,
         axis: str | None = None,
         shards: AbstractReplay | None = None,
+        throw: bool | None = None,
     ):
         """`AbstractGlobalBuffer`'s, declared for type checkers (they would make one)."""
-        super().__init__(mesh, make, axis=axis, shards=shards)
+        super().__init__(mesh, make, axis=axis, shards=shards, throw=throw)
 
     @staticmethod
     def _family() -> type:
@@ -108,6 +110,7 @@ class GlobalReplay(AbstractGlobalBuffer, AbstractReplay):
     def item_spec(self) -> PyTree[jax.ShapeDtypeStruct]:
         return self.template.item_spec
 
+    @reports
     def add(self: _R, item: PyTree[ArrayLike]) -> _R:
         """One item, for a replay of one shard (`add_batch` of one item).
 
@@ -123,6 +126,7 @@ class GlobalReplay(AbstractGlobalBuffer, AbstractReplay):
             )
         return self.add_batch(jax.tree.map(lambda x: x[None], item))
 
+    @reports
     def add_batch(
         self: _R,
         items: PyTree[ArrayLike],
@@ -163,6 +167,7 @@ class GlobalReplay(AbstractGlobalBuffer, AbstractReplay):
         shards = run(add_blocks, self.layout, self.shards, *args)
         return eqx.tree_at(lambda g: g.shards, self, shards)
 
+    @reports
     def update(self: _R, fn: Callable[[PyTree[Array]], PyTree[Array]]) -> _R:
         """`fn(item) -> item` applied to every stored item of every shard."""
         shard_call = f"{type(self.template).__name__}.update"
@@ -182,6 +187,7 @@ class GlobalReplay(AbstractGlobalBuffer, AbstractReplay):
         is a layer: it is never a shard or a cluster, which would draw by it alone.)"""
         return self.template.law(age=age, beta=beta, call=call)
 
+    @reports
     def sample(
         self,
         key: PRNGKeyArray,
@@ -220,6 +226,7 @@ class GlobalReplay(AbstractGlobalBuffer, AbstractReplay):
         """`sample`: a global replay's draw always checks its faults, in every process."""
         return self.sample(key, batch_size)
 
+    @reports
     def set_priorities(
         self: _R,
         indices: Indices,
@@ -265,6 +272,7 @@ class GlobalReplay(AbstractGlobalBuffer, AbstractReplay):
         )
         return eqx.tree_at(lambda g: g.shards, self, out)
 
+    @reports
     def stale(
         self,
         indices: Indices,

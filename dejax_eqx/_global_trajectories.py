@@ -40,6 +40,7 @@ from ._global import (
 from ._laws import AbstractLaw
 from ._nstep import NStep
 from ._policy_age import PolicyAge
+from ._results import reports
 from ._shard_map import Layout, run
 from ._streams import Streams
 from ._windows import Window
@@ -96,9 +97,10 @@ class GlobalTrajectoryBuffer(AbstractGlobalBuffer, AbstractTrajectoryBuffer):
         *,
         axis: str | None = None,
         shards: AbstractTrajectoryBuffer | None = None,
+        throw: bool | None = None,
     ):
         """`AbstractGlobalBuffer`'s, declared for type checkers (they would make one)."""
-        super().__init__(mesh, make, axis=axis, shards=shards)
+        super().__init__(mesh, make, axis=axis, shards=shards, throw=throw)
 
     @staticmethod
     def _family() -> type:
@@ -137,6 +139,7 @@ class GlobalTrajectoryBuffer(AbstractGlobalBuffer, AbstractTrajectoryBuffer):
         k = self.rows_per_shard
         return range(shard * k, (shard + 1) * k)
 
+    @reports
     def add(
         self: _T, items: PyTree[ArrayLike], env_ids: Integer[ArrayLike, " n"] | None = None
     ) -> _T:
@@ -155,6 +158,7 @@ class GlobalTrajectoryBuffer(AbstractGlobalBuffer, AbstractTrajectoryBuffer):
         blocks, door = _blocks(self, items, env_ids, call)
         return self._run(add_blocks, _add, blocks, *Door.of(door), shard_call_of(self, "add"), call)
 
+    @reports
     def extend(
         self: _T, items: PyTree[ArrayLike], env_ids: Integer[ArrayLike, " n"] | None = None
     ) -> _T:
@@ -200,6 +204,7 @@ class GlobalTrajectoryBuffer(AbstractGlobalBuffer, AbstractTrajectoryBuffer):
             call=call,
         )
 
+    @reports
     def sample(
         self,
         key: PRNGKeyArray,
@@ -244,6 +249,7 @@ class GlobalTrajectoryBuffer(AbstractGlobalBuffer, AbstractTrajectoryBuffer):
         )
         return self._sample_union(law, faults, key, batch_size, call)
 
+    @reports
     def pop(self: _T, sequence_length: int) -> tuple[PyTree[Array], _T]:
         """The shards' `pop`: the `sequence_length` oldest unread steps of every env.
 
@@ -270,6 +276,7 @@ class GlobalTrajectoryBuffer(AbstractGlobalBuffer, AbstractTrajectoryBuffer):
 
     # --- stamps: each entry answered by the shard that holds its env --------------------
 
+    @reports
     def set_priorities(
         self: _T,
         env_ids: Integer[ArrayLike, " n"],
@@ -295,6 +302,7 @@ class GlobalTrajectoryBuffer(AbstractGlobalBuffer, AbstractTrajectoryBuffer):
         args = (_set, _note, _split_envs, env, (starts, priorities), valid, *Door.of(door + more))
         return self._run(routed_write, *args, shard_call_of(self, "set_priorities"), call)
 
+    @reports
     def stale(
         self,
         env_ids: Integer[ArrayLike, "*n"],
@@ -311,6 +319,7 @@ class GlobalTrajectoryBuffer(AbstractGlobalBuffer, AbstractTrajectoryBuffer):
         """
         return _ask(self, _stale, "stale", env_ids, starts, mask)[0]
 
+    @reports
     def read(
         self,
         env_ids: Integer[ArrayLike, " n"],
@@ -324,6 +333,7 @@ class GlobalTrajectoryBuffer(AbstractGlobalBuffer, AbstractTrajectoryBuffer):
         out, env = _ask(self, _Read(window), "read", env_ids, starts, mask)
         return out._replace(env=env)
 
+    @reports
     def peek(
         self,
         env_ids: Integer[ArrayLike, "*n"] | None = None,

@@ -35,6 +35,8 @@ import numpy as np
 from jax.tree_util import keystr, tree_flatten_with_path
 from jaxtyping import PyTree
 
+from ._results import check_results
+
 
 _T = TypeVar("_T")
 
@@ -372,6 +374,7 @@ def save(path: str | os.PathLike, buffer: PyTree) -> None:
         ```
     """
     call = "dx.save"
+    check_results(buffer, call)  # a `throw=False` buffer's fault is refused
     header = _describe(buffer, call)  # every check happens before the disk is touched
     for path_, leaf in tree_flatten_with_path(buffer)[0]:
         if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:

@@ -19,7 +19,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, Integer, PRNGKeyArray, PyTree, UInt32
 
 from ._checks import check_index, check_index_fn, check_nonnegative_int, INT32_MAX, spec_of
-from ._faults import check_faults, Fault
+from ._faults import Fault, is_concrete
 from ._laws import (
     AbstractEnumerableLaw,
     AbstractLaw,
@@ -132,14 +132,22 @@ class PolicyAge(eqx.Module):
                 f"`{call}(decay=...)` must be None (every admitted age weighs the same) or "
                 f"'inverse' (age k weighs 1 / (k + 1)), got {decay!r}."
             )
-        current, current_faults = _count(current, f"{call}(current=...)")
-        if max_age is None:
-            limit, limit_faults = jnp.asarray(INT32_MAX, jnp.int32), []
-        else:
-            limit, limit_faults = _count(max_age, f"{call}(max_age=...)")
         self.version = version
         self.decay = decay
-        self.current, self.max_age = check_faults((current, limit), current_faults + limit_faults)
+        self.current = _count(current, f"{call}(current=...)")
+        self.max_age = (
+            jnp.asarray(INT32_MAX, jnp.int32)
+            if max_age is None
+            else _count(max_age, f"{call}(max_age=...)")
+        )
+
+    def faults(self) -> list[Fault]:
+        """The faults of an array `current` or `max_age` out of range (kept as -1 until
+        then), reported by the call that uses the age, as that call reports its own."""
+        return [
+            (self.current < 0, "`PolicyAge(current=...)` must be in [0, 2**31 - 1]"),
+            (self.max_age < 0, "`PolicyAge(max_age=...)` must be in [0, 2**31 - 1]"),
+        ]
 
     def log_weights(self, ages: Int[Array, "*n"], dtype: Any) -> Float[Array, "*n"]:
         """The log of each age's weight `a` in the float `dtype`: 0 (`decay=None`) or
@@ -152,13 +160,17 @@ class PolicyAge(eqx.Module):
         return jnp.where(young, log_a, -jnp.inf).astype(dtype)
 
 
-def _count(value: Any, call: str) -> tuple[Int[Array, ""], list[Fault]]:
+def _count(value: Any, call: str) -> Int[Array, ""]:
     """A version number or an age limit: an int32 scalar in `[0, 2**31 - 1]`. A Python or
-    NumPy int is checked at once; an array at run time (the returned faults)."""
+    NumPy int is checked at once; an array out of range becomes -1, which `PolicyAge.faults`
+    reports when the age is used (so that a `throw=False` buffer records it, and nothing is
+    compiled where the age is made)."""
     if isinstance(value, int | np.integer) and not isinstance(value, bool):
-        return jnp.asarray(check_nonnegative_int(int(value), call), jnp.int32), []
+        return jnp.asarray(check_nonnegative_int(int(value), call), jnp.int32)
     number, bad = check_index(value, INT32_MAX + 1, call, ndim=0)
-    return number, [(bad, f"`{call}` must be in [0, 2**31 - 1]")]
+    if is_concrete(bad) and bool(bad):  # an eager value: refused at once, where it is made
+        raise eqx.EquinoxRuntimeError(f"`{call}` must be in [0, 2**31 - 1]")
+    return jnp.where(bad, -1, number)
 
 
 class AgedSample(NamedTuple):
@@ -331,6 +343,7 @@ class AgedLaw(AbstractLaw):
         base, _, _, future = summaries
         noun = self.noun
         return [
+            *self.age.faults(),
             *self.base.faults(base, call),
             (
                 jnp.any(future),

@@ -19,7 +19,8 @@ from ._checks import (
     check_positive_int,
     check_real_scalar,
 )
-from ._faults import check_faults, Fault
+from ._faults import check_faults, Fault, recording, veto
+from ._results import result_of
 from ._sum_tree import draw_leaves, set_leaves, SumTree
 
 
@@ -109,7 +110,14 @@ class Priorities(eqx.Module):
     ) -> _P:
         """`masses` written to `leaves` (of repeated leaves the last wins, unless `unique`
         promises none; out-of-range or masked-out leaves are dropped), and `max_priority` if
-        given (as `prepare` raised it)."""
+        given (as `prepare` raised it). Nothing where a recording call vetoes its writes
+        (`_faults.vetoing`)."""
+        vetoed = veto()
+        if vetoed is not None:
+            keep = jnp.broadcast_to(~vetoed, leaves.shape)
+            mask = keep if mask is None else mask & keep
+            if max_priority is not None:
+                max_priority = jnp.where(vetoed, self.max_priority, max_priority)
         tree = set_leaves(self.tree, leaves, masses, mask=mask, unique=unique)
         if max_priority is None:
             max_priority = self.max_priority
@@ -129,6 +137,9 @@ class Priorities(eqx.Module):
             valid = valid & mask
         values = jnp.where(valid, values, 0).astype(dtype)
         top = jnp.maximum(self.max_priority, jnp.max(values, initial=0))
+        vetoed = veto()
+        if vetoed is not None:
+            top = jnp.where(vetoed, self.max_priority, top)
         return eqx.tree_at(lambda p: p.max_priority, self, top)
 
     def draw(
@@ -213,7 +224,9 @@ def importance_weights(
     probabilities: Float[ArrayLike, "*batch"],
     size: Integer[ArrayLike, ""],
     beta: Real[ArrayLike, ""],
-) -> Float[Array, "*batch"]:
+    *,
+    throw: bool = True,
+) -> Any:
     """Importance-sampling weights that correct the bias of prioritised sampling.
 
     `w_i = (N · P(i)) ** -β / max_j (N · P(j)) ** -β`, the maximum taken over the batch
@@ -230,8 +243,12 @@ def importance_weights(
         `PrioritisedSample.probabilities` (any shape; all must be positive).
     - `size`: `N`, the number of stored items (`replay.size`), positive.
     - `beta`: the exponent `β`, a finite non-negative scalar.
+    - `throw`: `True` (the default) raises the faults below; `False` returns them as a
+        `Result`, as a `throw=False` buffer's reads do: `(weights, result)`. Inside a call of
+        a buffer, the buffer decides.
 
-    **Returns:** weights with the shape and dtype of `probabilities`, at most 1.
+    **Returns:** weights with the shape and dtype of `probabilities`, at most 1 (and the
+    result, with `throw=False`).
 
     **Raises:** `ValueError`/`TypeError` at once for a Python `size` or `beta` out of range;
     an `eqx.error_if` error if a probability is not positive (or is NaN), or if an array
@@ -247,6 +264,18 @@ def importance_weights(
         assert jnp.allclose(w, jnp.array([1.0, 0.25]))
         ```
     """
+    if not isinstance(throw, bool):
+        raise TypeError(f"`importance_weights(throw=...)` must be a bool, got {throw!r}.")
+    out, faults = recording(lambda: _weights(probabilities, size, beta), record=not throw)
+    return out if faults is None else (out, result_of(faults))
+
+
+def _weights(
+    probabilities: Float[ArrayLike, "*batch"],
+    size: Integer[ArrayLike, ""],
+    beta: Real[ArrayLike, ""],
+) -> Float[Array, "*batch"]:
+    """`importance_weights`, its faults reported as the call decides."""
     call = "importance_weights"
     probabilities = jnp.asarray(probabilities)
     if not jnp.issubdtype(probabilities.dtype, jnp.floating):

@@ -32,7 +32,7 @@ from ._checks import (
     Prototype,
 )
 from ._deprecated import renamed
-from ._faults import check_faults, Fault
+from ._faults import check_faults, Fault, vetoing
 from ._laws import (
     AbstractEnumerableLaw,
     AbstractLaw,
@@ -45,6 +45,7 @@ from ._laws import (
 )
 from ._policy_age import AgedLaw, PolicyAge
 from ._priorities import check_beta, HasPriorities, mass_faults, Priorities
+from ._results import initial_result, reports, Result
 from ._storage import (
     apply,
     check_batch,
@@ -142,6 +143,9 @@ class PrioritisedReplay(AbstractPrioritisedReplay, HasPriorities):
     storage: CircularBuffer
     priorities: Priorities
     generations: UInt32[Array, " max_size"]
+    result: Result | None
+    """The first fault of the buffer's calls, as a `Result`, if it was built with
+    `throw=False` (see `check`); `None` if it raises its faults (`throw=True`)."""
 
     def __init__(
         self,
@@ -151,6 +155,7 @@ class PrioritisedReplay(AbstractPrioritisedReplay, HasPriorities):
         *,
         stratified: bool = False,
         dtype: Any = jnp.float32,
+        throw: bool = True,
     ):
         """**Arguments:**
 
@@ -165,8 +170,13 @@ class PrioritisedReplay(AbstractPrioritisedReplay, HasPriorities):
             (default), the draws are i.i.d.
         - `dtype`: the float dtype of the priority sums, `jnp.float32` (default) or
             `jnp.float64` (needs `jax_enable_x64`).
+        - `throw`: how a fault (a fact of the data: an empty buffer, an index out of range)
+            is reported: raised at the faulty call (`True`, the default), or kept as the
+            buffer's `result` and beside what a read returns (`False`: no conditional and no
+            callback is compiled; see the guide's "Faults as results").
         """
         call = "PrioritisedReplay"
+        self.result = initial_result(throw, f"{call}(throw=...)")
         max_size = check_positive_int(max_size, f"{call}(max_size=...)", maximum=MAX_CAPACITY)
         self.priorities = Priorities(max_size, priority_exponent, stratified, dtype, call)
         self.storage = CircularBuffer(as_prototype(prototype, f"{call}(prototype=...)"), max_size)
@@ -186,6 +196,7 @@ class PrioritisedReplay(AbstractPrioritisedReplay, HasPriorities):
     def item_spec(self) -> PyTree[jax.ShapeDtypeStruct]:
         return self.storage.item_spec
 
+    @reports
     def add(self: _P, item: PyTree[ArrayLike], priority: Real[ArrayLike, ""] | None = None) -> _P:
         """Store one item, overwriting the oldest if the replay is full.
 
@@ -203,9 +214,12 @@ class PrioritisedReplay(AbstractPrioritisedReplay, HasPriorities):
         item, _ = check_items(self.item_spec, item, call, batched=False)
         if priority is not None:
             priority = check_real_scalar(priority, call, "priority")
-        storage, slot = write(self.storage, item)
-        return self._written(storage, slot[None], priority, call, name="priority")
+        prepared = self.priorities.prepare(priority, 1, call, name="priority")
+        with vetoing(prepared[2]):
+            storage, slot = write(self.storage, item)
+            return self._written(storage, slot[None], prepared, call)
 
+    @reports
     def add_batch(
         self: _P,
         items: PyTree[ArrayLike],
@@ -235,23 +249,24 @@ class PrioritisedReplay(AbstractPrioritisedReplay, HasPriorities):
             priorities = check_vector(priorities, n, call, "priorities")
         # Items overwritten within the batch get the out-of-range slot max_size (dropped), but
         # their priorities are still recorded in `max_priority`, as n adds would.
-        storage, slots = write_batch(self.storage, items, mask)
-        return self._written(storage, slots, priorities, call, mask)
+        n = jax.tree.leaves(items)[0].shape[0]
+        prepared = self.priorities.prepare(priorities, n, call, mask=mask)
+        with vetoing(prepared[2]):  # a recording call's faulty add writes nothing
+            storage, slots = write_batch(self.storage, items, mask)
+            return self._written(storage, slots, prepared, call, mask)
 
     def _written(
         self: _P,
         storage: CircularBuffer,
         slots: Int[Array, " n"],
-        priorities: Real[ArrayLike, "*n"] | None,
+        prepared: tuple[Float[Array, " n"], Float[Array, ""], list[Fault]],
         call: str,
         mask: Bool[Array, " n"] | None = None,
-        name: str = "priorities",
     ) -> _P:
         """The replay with `storage`, into whose `slots` (distinct, or out of range where
-        dropped) items were just written: their priorities set (checked, not yet converted),
-        their generations advanced."""
-        n = slots.shape[0]
-        masses, top, faults = self.priorities.prepare(priorities, n, call, mask=mask, name=name)
+        dropped) items were just written: their priorities set (as `Priorities.prepare`
+        made them: masses, the new maximum, the faults), their generations advanced."""
+        masses, top, faults = prepared
         # The check guards what the new replay is built from: the small vectors scattered
         # into the tree, and the new maximum. Not the tree or the storage: threading those
         # through a check could copy them.
@@ -262,6 +277,7 @@ class PrioritisedReplay(AbstractPrioritisedReplay, HasPriorities):
             lambda r: (r.storage, r.priorities, r.generations), self, (storage, new, generations)
         )
 
+    @reports
     def set_priorities(
         self: _P,
         indices: Indices,
@@ -291,12 +307,15 @@ class PrioritisedReplay(AbstractPrioritisedReplay, HasPriorities):
             f"`{call}`: index out of range; every index must satisfy 0 <= index < size (a "
             "stored slot)",
         )
-        slots, masses, top = check_faults((slots, masses, top), [index_fault, *faults])
+        faults = [index_fault, *faults]
+        slots, masses, top = check_faults((slots, masses, top), faults)
         if current is not None:
             mask = current if mask is None else mask & current
-        new = self.priorities.write(slots, masses, top, mask=mask)
+        with vetoing(faults):  # a recording call's faulty update sets nothing
+            new = self.priorities.write(slots, masses, top, mask=mask)
         return eqx.tree_at(lambda r: r.priorities, self, new)
 
+    @reports
     def note_priorities(
         self: _P,
         indices: Indices,
@@ -310,6 +329,7 @@ class PrioritisedReplay(AbstractPrioritisedReplay, HasPriorities):
         valid = None if mask is None else check_mask(mask, n, call)
         return eqx.tree_at(lambda r: r.priorities, self, self.priorities.noted(priorities, valid))
 
+    @reports
     def stale(
         self,
         indices: Indices,

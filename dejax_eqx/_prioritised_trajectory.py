@@ -22,7 +22,7 @@ from ._checks import (
     Prototype,
 )
 from ._deprecated import deprecated_property
-from ._faults import check_faults, Fault
+from ._faults import check_faults, Fault, vetoing
 from ._laws import (
     AbstractEnumerableLaw,
     AbstractLaw,
@@ -36,6 +36,7 @@ from ._laws import (
 from ._nstep import NStep
 from ._policy_age import AgedLaw, PolicyAge
 from ._priorities import check_beta, HasPriorities, mass_faults, Priorities, weights
+from ._results import initial_result, reports, Result
 from ._sequences import (
     count_starts,
     extend_changes,
@@ -121,6 +122,9 @@ class PrioritisedTrajectoryBuffer(AbstractTrajectoryBuffer, HasPriorities):
     (read them through `tree`, `max_priority`, `priority_exponent` and `stratified`)."""
     window: Window
     """The windows that are the items (strict), and how `sample` masks them."""
+    result: Result | None
+    """The first fault of the buffer's calls, as a `Result`, if it was built with
+    `throw=False` (see `check`); `None` if it raises its faults (`throw=True`)."""
 
     def __init__(
         self,
@@ -132,6 +136,7 @@ class PrioritisedTrajectoryBuffer(AbstractTrajectoryBuffer, HasPriorities):
         priority_exponent: float = 0.6,
         stratified: bool = False,
         dtype: Any = jnp.float32,
+        throw: bool = True,
         **options: Any,
     ):
         """**Arguments:**
@@ -144,8 +149,13 @@ class PrioritisedTrajectoryBuffer(AbstractTrajectoryBuffer, HasPriorities):
         - `stratified`: draw one window from each of `batch_size` equal slices of the total
             mass (default `False`: i.i.d. draws).
         - `dtype`: the float dtype of the priority sums (`jnp.float32` by default).
+        - `throw`: how a fault (a fact of the data: an empty buffer, an index out of range)
+            is reported: raised at the faulty call (`True`, the default), or kept as the
+            buffer's `result` and beside what a read returns (`False`: no conditional and no
+            callback is compiled; see the guide's "Faults as results").
         """
         call = "PrioritisedTrajectoryBuffer"
+        self.result = initial_result(throw, f"{call}(throw=...)")
         streams = make_streams(prototype, num_envs, max_length, call)
         # The buffer around the streams, without allocating its own (a shape-only template).
         template = eqx.filter_eval_shape(TrajectoryBuffer, streams.item_spec, num_envs, max_length)
@@ -182,12 +192,14 @@ class PrioritisedTrajectoryBuffer(AbstractTrajectoryBuffer, HasPriorities):
         starts = phase(self.step_count, self.window.period)
         return jnp.sum(count_starts(self.streams.lengths, starts, self.window.law), dtype=jnp.int32)
 
+    @reports
     def add(
         self: _PT, items: PyTree[ArrayLike], env_ids: Integer[ArrayLike, " n"] | None = None
     ) -> _PT:
         call = "PrioritisedTrajectoryBuffer.add"
         return _appended(self, check_append(self.streams, items, env_ids, call, sequences=False))
 
+    @reports
     def extend(
         self: _PT, items: PyTree[ArrayLike], env_ids: Integer[ArrayLike, " n"] | None = None
     ) -> _PT:
@@ -236,6 +248,7 @@ class PrioritisedTrajectoryBuffer(AbstractTrajectoryBuffer, HasPriorities):
         law = AgedLaw(base, self, age, beta=beta, stratified=stratified, noun="window", call=call)
         return law, faults
 
+    @reports
     def sample(
         self,
         key: PRNGKeyArray,
@@ -265,6 +278,7 @@ class PrioritisedTrajectoryBuffer(AbstractTrajectoryBuffer, HasPriorities):
             age=age,
         )
 
+    @reports
     def set_priorities(
         self: _PT,
         env_ids: Integer[ArrayLike, " n"],
@@ -308,9 +322,11 @@ class PrioritisedTrajectoryBuffer(AbstractTrajectoryBuffer, HasPriorities):
         keep = ~stamps.stale & ~stamps.bad
         if valid is not None:
             keep = keep & valid
-        new = self.priorities.write(leaves, masses, top, mask=keep)
+        with vetoing(faults):  # a recording call's faulty update sets nothing
+            new = self.priorities.write(leaves, masses, top, mask=keep)
         return eqx.tree_at(lambda b: b.priorities, self, new)
 
+    @reports
     def note_priorities(
         self: _PT,
         env_ids: Integer[ArrayLike, " n"],
@@ -325,6 +341,7 @@ class PrioritisedTrajectoryBuffer(AbstractTrajectoryBuffer, HasPriorities):
         valid = None if mask is None else check_mask(mask, n, call)
         return eqx.tree_at(lambda b: b.priorities, self, self.priorities.noted(priorities, valid))
 
+    @reports
     def stamp_of(
         self, indices: Integer[ArrayLike, "*n"]
     ) -> tuple[Int[Array, "*n"], Int[Array, "*n"]]:
@@ -363,6 +380,7 @@ class PrioritisedTrajectoryBuffer(AbstractTrajectoryBuffer, HasPriorities):
         masses = self.priorities.tree.leaves.reshape(self.num_envs, k)
         return WindowPriorities(start, held, masses, self.priorities.max_priority)
 
+    @reports
     def with_window_priorities(
         self: _PT,
         masses: Real[ArrayLike, "num_envs leaves"],
@@ -379,9 +397,11 @@ class PrioritisedTrajectoryBuffer(AbstractTrajectoryBuffer, HasPriorities):
         `max_priority` below 1 or not finite.
         """
         call = "PrioritisedTrajectoryBuffer.with_window_priorities"
-        flat, top = _window_masses(self, masses, max_priority, call)
+        flat, top, faults = _window_masses(self, masses, max_priority, call)
+        flat, top = check_faults((flat, top), faults)
         leaves = jnp.arange(self.priorities.tree.capacity, dtype=jnp.int32)
-        new = self.priorities.write(leaves, flat, top, unique=True)
+        with vetoing(faults):  # a recording call's faulty call sets nothing
+            new = self.priorities.write(leaves, flat, top, unique=True)
         return eqx.tree_at(lambda b: b.priorities, self, new)
 
 
@@ -460,9 +480,10 @@ def _window_masses(
     masses: Real[ArrayLike, "num_envs leaves"],
     max_priority: Real[ArrayLike, ""] | None,
     call: str,
-) -> tuple[Float[Array, " capacity"], Float[Array, ""]]:
+) -> tuple[Float[Array, " capacity"], Float[Array, ""], list[Fault]]:
     """`with_window_priorities`' masses, one per sum-tree leaf (a held window's NaN made the
-    mass of `max_priority`, a leaf that holds no window 0), and `max_priority`, checked."""
+    mass of `max_priority`, a leaf that holds no window 0), `max_priority`, and their
+    faults."""
     k, capacity = buffer.leaves_per_env, buffer.priorities.tree.capacity
     if tuple(jnp.shape(masses)) != (buffer.num_envs, k):
         raise ValueError(
@@ -493,8 +514,7 @@ def _window_masses(
             f"`{call}`: `max_priority` must be finite and at least 1",
         ),
     ]
-    flat, top = check_faults((flat, top), faults)
-    return flat, top
+    return flat, top, faults
 
 
 def _whole_windows(window: Any, options: dict[str, Any], streams: Streams, call: str) -> Window:

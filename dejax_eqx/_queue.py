@@ -8,7 +8,8 @@ from jaxtyping import Array, ArrayLike, Bool, Int, Integer, PyTree, Shaped
 
 from ._abstract import AbstractTrajectoryBuffer
 from ._checks import check_positive_int, plural, Prototype
-from ._faults import check_faults
+from ._faults import check_faults, Fault
+from ._results import initial_result, reports, Result
 from ._streams import Appended, check_append, gather_steps, grow, make_streams, Streams
 
 
@@ -45,8 +46,11 @@ class TrajectoryQueue(AbstractTrajectoryBuffer):
     streams: Streams
     unread: Int[Array, " num_envs"]
     """The number of unread steps of each env, an int32 array in `[0, max_length]`."""
+    result: Result | None
+    """The first fault of the buffer's calls, as a `Result`, if it was built with
+    `throw=False` (see `check`); `None` if it raises its faults (`throw=True`)."""
 
-    def __init__(self, prototype: Prototype, num_envs: int, max_length: int):
+    def __init__(self, prototype: Prototype, num_envs: int, max_length: int, *, throw: bool = True):
         """**Arguments:**
 
         - `prototype`: one step of one env, a pytree of arrays (or Python scalars); only its
@@ -54,7 +58,12 @@ class TrajectoryQueue(AbstractTrajectoryBuffer):
         - `num_envs`: the number of envs (streams), a positive Python int.
         - `max_length`: the most unread steps each env holds, a positive Python int below
             `2**31`. Storage is `num_envs · max_length` steps.
+        - `throw`: how a fault (a fact of the data: an empty buffer, an index out of range)
+            is reported: raised at the faulty call (`True`, the default), or kept as the
+            buffer's `result` and beside what a read returns (`False`: no conditional and no
+            callback is compiled; see the guide's "Faults as results").
         """
+        self.result = initial_result(throw, "TrajectoryQueue(throw=...)")
         self.streams = make_streams(prototype, num_envs, max_length, "TrajectoryQueue")
         self.unread = jnp.zeros(self.streams.num_envs, jnp.int32)
 
@@ -70,6 +79,7 @@ class TrajectoryQueue(AbstractTrajectoryBuffer):
         length = check_positive_int(length, "TrajectoryQueue.can_pop(length=...)")
         return jnp.all(self.unread >= length)
 
+    @reports
     def add(
         self: _Q, items: PyTree[ArrayLike], env_ids: Integer[ArrayLike, " n"] | None = None
     ) -> _Q:
@@ -77,6 +87,7 @@ class TrajectoryQueue(AbstractTrajectoryBuffer):
         already holds `max_length` unread steps."""
         return extend_queue(self, items, env_ids, "TrajectoryQueue.add", sequences=False)
 
+    @reports
     def extend(
         self: _Q, items: PyTree[ArrayLike], env_ids: Integer[ArrayLike, " n"] | None = None
     ) -> _Q:
@@ -90,6 +101,7 @@ class TrajectoryQueue(AbstractTrajectoryBuffer):
         unread = jnp.zeros(streams.num_envs, jnp.int32)
         return eqx.tree_at(lambda q: (q.streams, q.unread), self, (streams, unread))
 
+    @reports
     def pop(self: _Q, sequence_length: int) -> tuple[PyTree[Shaped[Array, "num_envs seq ..."]], _Q]:
         """Remove and return the `sequence_length` oldest unread steps of every env.
 
@@ -116,22 +128,30 @@ def extend_queue(
 ) -> _Q:
     """`TrajectoryQueue.add` (or `extend`, with `sequences`) under the name `call`: an append
     that may not push an unread step out of a listed env's queue."""
-    done: Appended = check_append(queue.streams, items, env_ids, call, sequences=sequences)
-    m, length = queue.max_length, done.length
-    if length > m:
-        raise ValueError(
-            f"`{call}`: {length} steps per env do not fit in a queue of max_length = {m}; the "
-            "oldest would be overwritten before they are read."
-        )
-    if length == 0:
-        return queue
-    full = (
-        jnp.any(done.added & (queue.unread > m - length)),
-        f"`{call}`: an env's queue has no room for {plural(length, 'more step')}; the add "
-        f"would overwrite unread ones (max_length = {m}). Pop first, or check `can_add`",
+    m = queue.max_length
+
+    def full(taking: Bool[Array, " num_envs"], length: int) -> list[Fault]:
+        if length > m:
+            raise ValueError(
+                f"`{call}`: {length} steps per env do not fit in a queue of max_length = {m}; "
+                "the oldest would be overwritten before they are read."
+            )
+        return [
+            (
+                jnp.any(taking & (queue.unread > m - length)),
+                f"`{call}`: an env's queue has no room for {plural(length, 'more step')}; the "
+                f"add would overwrite unread ones (max_length = {m}). Pop first, or check "
+                "`can_add`",
+            )
+        ]
+
+    done: Appended = check_append(
+        queue.streams, items, env_ids, call, sequences=sequences, more=full
     )
-    unread = grow(queue.unread, done.added, length, m)
-    counters, unread = check_faults((done.counters(), unread), [*done.faults, full])
+    if done.length == 0:
+        return queue
+    unread = grow(queue.unread, done.added, done.length, m)
+    counters, unread = check_faults((done.counters(), unread), done.faults)
     streams = done.guarded(counters)
     return eqx.tree_at(lambda q: (q.streams, q.unread), queue, (streams, unread))
 
@@ -152,5 +172,7 @@ def pop_queue(
         f"`{call}`: an env holds fewer than {plural(length, 'unread step')}; pop once "
         "`can_pop(sequence_length)` holds",
     )
-    items, unread = check_faults((items, unread), [fault], order_reads=False)
+    items, unread = check_faults(
+        (items, unread), [fault], order_reads=False, safe=(items, queue.unread)
+    )
     return items, eqx.tree_at(lambda q: q.unread, queue, unread)

@@ -46,7 +46,7 @@ from ._abstract import (
     WindowPriorities,
 )
 from ._checks import check_nonnegative_int, check_positive_int
-from ._faults import check_faults, Fault
+from ._faults import check_faults, collect_faults, Fault, is_recording, vetoing
 from ._int64 import add_product, less_equal
 from ._laws import AbstractLaw
 from ._nstep import NStep
@@ -60,6 +60,7 @@ from ._rate_limiter import (
     RateLimiter,
 )
 from ._rates import Rate
+from ._results import inherited_result, reports, Result
 from ._streams import Streams
 from ._windows import Window
 
@@ -175,6 +176,7 @@ class RateLimited(eqx.Module, metaclass=_ByFamily):
 
     # --- the law ------------------------------------------------------------------------
 
+    @reports
     def can_insert(self, n: Integer[ArrayLike, ""] = 1) -> Bool[Array, ""]:
         """Whether an insert of `n` units may proceed now (`limiter.can_insert`). Over a
         buffer of several shards, whether every shard may take its equal block of the insert
@@ -187,6 +189,7 @@ class RateLimited(eqx.Module, metaclass=_ByFamily):
         shared = (self.limiter, units)
         return self.buffer.map_shards(_share_allows, (self.pending,), shared)[1]
 
+    @reports
     def can_sample(self, n: Integer[ArrayLike, ""] = 1) -> Bool[Array, ""]:
         """Whether a sample of `n` rows may proceed now (`limiter.can_sample`), by the exact
         counts (over a buffer of several shards: one all-reduce, in every process)."""
@@ -195,10 +198,12 @@ class RateLimited(eqx.Module, metaclass=_ByFamily):
         limiter = self._folded("RateLimited.can_sample")
         return limiter.can_sample(n)
 
+    @reports
     def sample_budget(self, batch_size: int = 1) -> Int[Array, ""]:
         """`limiter.sample_budget(batch_size)`, by the exact counts (see `can_sample`)."""
         return self._folded("RateLimited.sample_budget").sample_budget(batch_size)
 
+    @reports
     def insert_budget(self, batch_size: int = 1) -> Int[Array, ""]:
         """`limiter.insert_budget(batch_size)`, by the counts as of the last sample."""
         return self._folded("RateLimited.insert_budget").insert_budget(batch_size)
@@ -237,6 +242,26 @@ class RateLimited(eqx.Module, metaclass=_ByFamily):
         return eqx.tree_at(lambda r: r.buffer, self, buffer)
 
     # --- counting -----------------------------------------------------------------------
+
+    def _insert(
+        self: _W,
+        write: Callable[[], Any],
+        units: int | Int[Array, "*shards"],
+        call: str,
+        total: int | None,
+    ) -> _W:
+        """This `RateLimited` after the insert `write()` (the buffer's add) of `units`, counted
+        as `_inserted` counts. Inside a recording call (`throw=False`) the law judges the
+        insert first: one it refuses writes nothing and counts nothing."""
+        if not is_recording():
+            return self._inserted(write(), units, call, total)
+        counted, faults = collect_faults(lambda: self._inserted(self.buffer, units, call, total))
+        with vetoing(faults):
+            buffer = write()
+        counts = check_faults(
+            (counted.limiter, counted.pending), faults, safe=(self.limiter, self.pending)
+        )
+        return eqx.tree_at(lambda r: (r.buffer, r.limiter, r.pending), self, (buffer, *counts))
 
     def _inserted(
         self: _W, buffer: Any, units: int | Int[Array, "*shards"], call: str, total: int | None
@@ -378,7 +403,7 @@ def _count_share(
         "when it is True",
     )
     new = pending + mine.astype(jnp.uint32)
-    return (check_faults(new, [fault])[None],), None
+    return (check_faults(new, [fault], safe=pending)[None],), None
 
 
 def _fold_and_sample(
@@ -417,18 +442,24 @@ class RateLimitedReplay(RateLimited, AbstractReplay):
     pending: UInt32[Array, " shards"]
     """Per shard of the buffer, the units inserted since the last sample folded them into
     the limiter (always 0 for a buffer of one shard, whose inserts are counted at once)."""
+    result: Result | None
+    """The first fault of the buffer's calls, as a `Result`, if it was built with
+    `throw=False` (see `check`); `None` if it raises its faults (`throw=True`)."""
 
-    def __init__(self, buffer: AbstractReplay, limiter: RateLimiter):
+    def __init__(self, buffer: AbstractReplay, limiter: RateLimiter, *, throw: bool | None = None):
         """**Arguments:**
 
         - `buffer`: any replay (`AbstractReplay`), a `GlobalReplay` included. It may already
             hold data.
         - `limiter`: a `RateLimiter`, with the counts to start from (`with_counts`).
+        - `throw`: how a fault is reported (as `UniformReplay`'s `throw`); `None` (the
+            default): as `buffer` reports its own.
 
         **Raises:** `TypeError` for anything else; `ValueError` if the limiter's
         `min_size_to_sample` is above the replay's `max_size`: sampling could never start.
         """
         call = "RateLimited"
+        self.result = inherited_result(throw, buffer, f"{call}(throw=...)")
         self.limiter, self.pending = _check_limiter(buffer, limiter, call)
         _check_capacity(limiter, buffer.max_size, "items (max_size)", call)
         self.buffer = buffer
@@ -445,16 +476,18 @@ class RateLimitedReplay(RateLimited, AbstractReplay):
     def item_spec(self) -> PyTree[jax.ShapeDtypeStruct]:
         return self.buffer.item_spec
 
+    @reports
     def add(self: _RR, item: PyTree[ArrayLike], priority: Real[ArrayLike, ""] | None = None) -> _RR:
         """The replay's `add` (with `priority` for a prioritised replay), counted: 1 insert."""
         if priority is None:
-            buffer = self.buffer.add(item)
+            write = lambda: self.buffer.add(item)  # noqa: E731
         else:
-            buffer = self.buffer.add(item, priority)  # pyright: ignore[reportCallIssue]
-        return self._inserted(
-            buffer, _per_shard(1, self.num_shards, self.num_shards), "RateLimited.add", 1
+            write = lambda: self.buffer.add(item, priority)  # pyright: ignore[reportCallIssue]  # noqa: E731
+        return self._insert(
+            write, _per_shard(1, self.num_shards, self.num_shards), "RateLimited.add", 1
         )
 
+    @reports
     def add_batch(
         self: _RR,
         items: PyTree[ArrayLike],
@@ -466,13 +499,14 @@ class RateLimitedReplay(RateLimited, AbstractReplay):
         `n` inserts, or `mask.sum()`."""
         call = "RateLimited.add_batch"
         if priorities is None:
-            buffer = self.buffer.add_batch(items, mask=mask)
+            write = lambda: self.buffer.add_batch(items, mask=mask)  # noqa: E731
         else:
-            buffer = self.buffer.add_batch(items, priorities, mask=mask)  # pyright: ignore
+            write = lambda: self.buffer.add_batch(items, priorities, mask=mask)  # pyright: ignore  # noqa: E731
         n = jax.tree.leaves(items)[0].shape[0]
         units = _per_shard(1 if mask is None else mask, n, self.num_shards)
-        return self._inserted(buffer, units, call, n if mask is None else None)
+        return self._insert(write, units, call, n if mask is None else None)
 
+    @reports
     def update(self: _RR, fn: Callable[[PyTree[Array]], PyTree[Array]]) -> _RR:
         """The replay's `update`, not counted."""
         return self.with_buffer(self.buffer.update(fn))
@@ -493,6 +527,7 @@ class RateLimitedReplay(RateLimited, AbstractReplay):
         a shard or a cluster, which would draw by it without counting.)"""
         return self.buffer.law(age=age, beta=beta, call=call)
 
+    @reports
     def sample(  # pyright: ignore[reportIncompatibleMethodOverride]
         self: _RR,
         key: PRNGKeyArray,
@@ -519,6 +554,7 @@ class RateLimitedReplay(RateLimited, AbstractReplay):
         """The replay's `sample_unchecked`, not counted (nothing is sampled for a learner)."""
         return self.buffer.sample_unchecked(key, batch_size)
 
+    @reports
     def add_and_sample(  # pyright: ignore[reportIncompatibleMethodOverride]
         self: _RR, items: PyTree[ArrayLike], key: PRNGKeyArray, batch_size: int
     ) -> tuple[_RR, Any]:
@@ -528,6 +564,7 @@ class RateLimitedReplay(RateLimited, AbstractReplay):
     def split_indices(self, indices: Indices) -> tuple[Int[Array, " n"], Any]:
         return self.buffer.split_indices(indices)
 
+    @reports
     def set_priorities(
         self: _RR,
         indices: Indices,
@@ -540,6 +577,7 @@ class RateLimitedReplay(RateLimited, AbstractReplay):
         new = self.buffer.set_priorities(indices, priorities, mask=mask, generations=generations)
         return self.with_buffer(new)
 
+    @reports
     def note_priorities(
         self: _RR,
         indices: Indices,
@@ -549,6 +587,7 @@ class RateLimitedReplay(RateLimited, AbstractReplay):
     ) -> _RR:
         return self.with_buffer(self.buffer.note_priorities(indices, priorities, mask=mask))
 
+    @reports
     def stale(
         self,
         indices: Indices,
@@ -573,19 +612,27 @@ class RateLimitedTrajectoryBuffer(RateLimited, AbstractTrajectoryBuffer):
     pending: UInt32[Array, " shards"]
     """Per shard of the buffer, the steps inserted since the last sample folded them into
     the limiter (always 0 for a buffer of one shard)."""
+    result: Result | None
+    """The first fault of the buffer's calls, as a `Result`, if it was built with
+    `throw=False` (see `check`); `None` if it raises its faults (`throw=True`)."""
 
-    def __init__(self, buffer: AbstractTrajectoryBuffer, limiter: RateLimiter):
+    def __init__(
+        self, buffer: AbstractTrajectoryBuffer, limiter: RateLimiter, *, throw: bool | None = None
+    ):
         """**Arguments:**
 
         - `buffer`: any trajectory buffer (`AbstractTrajectoryBuffer`), a
             `GlobalTrajectoryBuffer` included. It may already hold data.
         - `limiter`: a `RateLimiter`, with the counts to start from (`with_counts`).
+        - `throw`: how a fault is reported (as `UniformReplay`'s `throw`); `None` (the
+            default): as `buffer` reports its own.
 
         **Raises:** `TypeError` for anything else; `ValueError` if the limiter's
         `min_size_to_sample` is above the buffer's capacity in steps (`num_envs *
         max_length`): sampling could never start.
         """
         call = "RateLimited"
+        self.result = inherited_result(throw, buffer, f"{call}(throw=...)")
         self.limiter, self.pending = _check_limiter(buffer, limiter, call)
         capacity = buffer.num_envs * buffer.max_length
         units = f"steps (num_envs * max_length = {buffer.num_envs} * {buffer.max_length})"
@@ -600,23 +647,25 @@ class RateLimitedTrajectoryBuffer(RateLimited, AbstractTrajectoryBuffer):
     def num_envs(self) -> int:
         return self.buffer.num_envs
 
+    @reports
     def add(
         self: _RT, items: PyTree[ArrayLike], env_ids: Integer[ArrayLike, " n"] | None = None
     ) -> _RT:
         """The buffer's `add`, counted: 1 step per listed env."""
-        buffer = self.buffer.add(items, env_ids)
         rows = jax.tree.leaves(items)[0].shape[0]
         units = _per_shard(1, rows, self.num_shards)
-        return self._inserted(buffer, units, "RateLimited.add", rows)
+        write = lambda: self.buffer.add(items, env_ids)  # noqa: E731
+        return self._insert(write, units, "RateLimited.add", rows)
 
+    @reports
     def extend(
         self: _RT, items: PyTree[ArrayLike], env_ids: Integer[ArrayLike, " n"] | None = None
     ) -> _RT:
         """The buffer's `extend`, counted: `T` steps of each of `n` envs are `n * T`."""
-        buffer = self.buffer.extend(items, env_ids)
         rows, length = jax.tree.leaves(items)[0].shape[:2]
         units = _per_shard(length, rows, self.num_shards)
-        return self._inserted(buffer, units, "RateLimited.extend", rows * length)
+        write = lambda: self.buffer.extend(items, env_ids)  # noqa: E731
+        return self._insert(write, units, "RateLimited.extend", rows * length)
 
     def with_streams(self: _RT, streams: Streams) -> _RT:
         """The buffer's `with_streams`, the counts unchanged."""
@@ -650,6 +699,7 @@ class RateLimitedTrajectoryBuffer(RateLimited, AbstractTrajectoryBuffer):
             call=call,
         )
 
+    @reports
     def sample(  # pyright: ignore[reportIncompatibleMethodOverride]
         self: _RT,
         key: PRNGKeyArray,
@@ -686,6 +736,7 @@ class RateLimitedTrajectoryBuffer(RateLimited, AbstractTrajectoryBuffer):
         )
         return limited, out
 
+    @reports
     def pop(self: _RT, sequence_length: int) -> tuple[PyTree[Array], _RT]:
         """A trajectory queue's `pop`, counted: `num_envs` rows (one sequence per env).
         Returns `(items, limited)`, in the queue's order."""
@@ -700,6 +751,7 @@ class RateLimitedTrajectoryBuffer(RateLimited, AbstractTrajectoryBuffer):
         """The queue's `can_pop` (the law is asked with `can_sample(num_envs)`)."""
         return self.buffer.can_pop(length)
 
+    @reports
     def read(
         self,
         env_ids: Integer[ArrayLike, " n"],
@@ -711,6 +763,7 @@ class RateLimitedTrajectoryBuffer(RateLimited, AbstractTrajectoryBuffer):
         """The buffer's `read`, not counted."""
         return self.buffer.read(env_ids, starts, window, mask=mask)
 
+    @reports
     def peek(
         self,
         env_ids: Integer[ArrayLike, "*n"] | None = None,
@@ -719,6 +772,7 @@ class RateLimitedTrajectoryBuffer(RateLimited, AbstractTrajectoryBuffer):
     ) -> PyTree[Array]:
         return self.buffer.peek(env_ids, mask=mask)
 
+    @reports
     def stale(
         self,
         env_ids: Integer[ArrayLike, "*n"],
@@ -737,6 +791,7 @@ class RateLimitedTrajectoryBuffer(RateLimited, AbstractTrajectoryBuffer):
     def window_priorities(self) -> WindowPriorities | None:
         return self.buffer.window_priorities()
 
+    @reports
     def with_window_priorities(
         self: _RT,
         masses: Real[ArrayLike, "num_envs leaves"],
@@ -746,6 +801,7 @@ class RateLimitedTrajectoryBuffer(RateLimited, AbstractTrajectoryBuffer):
         new = self.buffer.with_window_priorities(masses, max_priority=max_priority)
         return self.with_buffer(new)
 
+    @reports
     def set_priorities(
         self: _RT,
         env_ids: Integer[ArrayLike, " n"],
@@ -757,6 +813,7 @@ class RateLimitedTrajectoryBuffer(RateLimited, AbstractTrajectoryBuffer):
         """The buffer's `set_priorities`, not counted."""
         return self.with_buffer(self.buffer.set_priorities(env_ids, starts, priorities, mask=mask))
 
+    @reports
     def note_priorities(
         self: _RT,
         env_ids: Integer[ArrayLike, " n"],

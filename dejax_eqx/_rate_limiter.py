@@ -412,7 +412,9 @@ def count_inserts(limiter: _L, n: Integer[ArrayLike, ""], call: str) -> _L:
         (~insertable(limiter, amount), f"`{call}`: {_refused_insert(rate)}"),
         (big | _outside(balance, wide), f"`{call}`: {_OVERFLOW}"),
     ]
-    inserts, balance = check_faults((inserts, balance), faults)
+    inserts, balance = check_faults(
+        (inserts, balance), faults, safe=(limiter.inserts, limiter.balance)
+    )
     return eqx.tree_at(lambda r: (r.inserts, r.balance), limiter, (inserts, balance))
 
 
@@ -423,7 +425,9 @@ def folded_inserts(limiter: _L, n: UInt32[Array, ""], call: str) -> _L:
     inserts, big = add_product(limiter.inserts, n, 1)
     balance, wide = add_product(limiter.balance, n, rate.p)
     inserts, balance = check_faults(
-        (inserts, balance), [(big | _outside(balance, wide), f"`{call}`: {_OVERFLOW}")]
+        (inserts, balance),
+        [(big | _outside(balance, wide), f"`{call}`: {_OVERFLOW}")],
+        safe=(limiter.inserts, limiter.balance),
     )
     return eqx.tree_at(lambda r: (r.inserts, r.balance), limiter, (inserts, balance))
 
@@ -439,7 +443,9 @@ def count_samples(limiter: _L, n: Integer[ArrayLike, ""], call: str) -> _L:
         (~sampleable(limiter, amount), f"`{call}`: {_refused_sample(rate)}"),
         (big | _outside(balance, wide), f"`{call}`: {_OVERFLOW}"),
     ]
-    samples, balance = check_faults((samples, balance), faults)
+    samples, balance = check_faults(
+        (samples, balance), faults, safe=(limiter.samples, limiter.balance)
+    )
     return eqx.tree_at(lambda r: (r.samples, r.balance), limiter, (samples, balance))
 
 

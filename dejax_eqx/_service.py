@@ -26,6 +26,7 @@ from ._nstep import NStep
 from ._policy_age import PolicyAge
 from ._rate_limited import checked_rate_limited, insert_units, RateLimited
 from ._rates import Rate
+from ._results import check_result
 from ._shard_map import run
 from ._windows import Window
 
@@ -455,6 +456,12 @@ class _Cell:
                     self.gate.close(error)
                 raise
             self.buffer, result = out if op is _pop else (out, None)
+            fault = getattr(self.buffer, "result", None)
+            if fault is not None and not bool(fault.ok):
+                # A `throw=False` buffer's fault: the call changed nothing; it is raised here,
+                # to its caller, and the buffer serves on.
+                self.buffer = self.buffer.with_throw(True).with_throw(False)
+                check_result(fault, call)
             self.published += n
             return result
 
@@ -462,7 +469,12 @@ class _Cell:
         """`op(args, buffer)`, which must not consume it."""
         with self.lock:
             self._check(call)
-            return _KEPT[op](args, self.buffer)
+            out = _KEPT[op](args, self.buffer)
+            if self.buffer.throw:
+                return out
+            out, fault = out  # a `throw=False` buffer's read: its fault raises here
+            check_result(fault, call)
+            return out
 
     def exchange(self, local: int, active: bool) -> tuple[int, bool]:
         with self.lock:

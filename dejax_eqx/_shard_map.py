@@ -5,7 +5,7 @@ Nothing here knows a buffer type: the callers pass functions of one shard.
 """
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import equinox as eqx
@@ -15,7 +15,15 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Bool, PyTree
 
-from ._faults import Fault, is_concrete
+from ._faults import (
+    carried_veto,
+    check_faults,
+    collect_faults,
+    Fault,
+    is_concrete,
+    is_recording,
+    veto,
+)
 
 
 class Layout(NamedTuple):
@@ -57,12 +65,12 @@ class Layout(NamedTuple):
             new_static.append(shard_static)
             return out, jax.tree.map(lambda x: x[None], shard_dynamic)
 
-        mapped = jax.shard_map(  # pyright: ignore[reportAttributeAccessIssue]
+        mapped = shard_mapped(
             body,
-            mesh=self.mesh,
-            in_specs=(P(self.axis), *([arg_spec] * len(args))),
-            out_specs=(out_spec, P(self.axis)) if module else out_spec,
-            axis_names={self.axis},
+            self.mesh,
+            self.axis,
+            (P(self.axis), *([arg_spec] * len(args))),
+            (out_spec, P(self.axis)) if module else out_spec,
         )
         # `shard_map` takes its inputs only as `in_specs` places them: eagerly, and under
         # `jit` on a mesh of explicit axes, where the sharding is part of an array's type.
@@ -80,6 +88,44 @@ class Layout(NamedTuple):
         spec = P(self.axis) if sharded else P()
         wrapped = lambda *a: (None, fn(*a))  # noqa: E731
         return self.map(shards, wrapped, args, P(), arg_spec=spec, module=True)[1]
+
+
+def shard_mapped(
+    body: Callable[..., Any], mesh: Mesh, axis: str, in_specs: tuple, out_specs: Any
+) -> Callable[..., Any]:
+    """`jax.shard_map(body)` over `axis`. Inside a recording call (a `throw=False` buffer's),
+    the faults `body` records are brought out of the `shard_map`, held in every device if
+    they hold in any (one all-reduce of a word per fault), and recorded for the call; a veto
+    of the call's writes (`_faults.vetoing`) is carried in."""
+    if not is_recording():
+        return jax.shard_map(  # pyright: ignore[reportAttributeAccessIssue]
+            body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={axis}
+        )
+    messages: list[str] = []
+    outer = veto()
+    vetoes = () if outer is None else (place(outer, NamedSharding(mesh, P())),)
+
+    def recorded(vetoes, *args):
+        with carried_veto(vetoes[0] if vetoes else None):
+            out, found = collect_faults(lambda: body(*args))
+        found = replicated_faults(found, axis)
+        messages[:] = [message for _, message in found]
+        return out, [pred for pred, _ in found]
+
+    mapped = jax.shard_map(  # pyright: ignore[reportAttributeAccessIssue]
+        recorded,
+        mesh=mesh,
+        in_specs=(P(), *in_specs),
+        out_specs=(out_specs, P()),
+        axis_names={axis},
+    )
+
+    def call(*args):
+        out, preds = mapped(vetoes, *args)
+        check_faults((), list(zip(preds, messages)))  # recorded for the call
+        return out
+
+    return call
 
 
 def run(fn: Callable[..., Any], *args: Any) -> Any:
@@ -139,7 +185,7 @@ def assemble(rows: PyTree[Array], mine: Bool[Array, " b"], axis: str) -> PyTree[
 
 
 def assemble_with_faults(
-    rows: PyTree[Array], mine: Bool[Array, " b"], faults: list[Fault], axis: str
+    rows: PyTree[Array], mine: Bool[Array, " b"], faults: Sequence[Fault], axis: str
 ) -> tuple[PyTree[Array], list[Fault]]:
     """`assemble` of the rows, and the faults each device found for its own rows, held in
     every device if they hold in any: one all-reduce for both."""
@@ -148,7 +194,7 @@ def assemble_with_faults(
     return rows, [(counts[i] > 0, message) for i, (_, message) in enumerate(faults)]
 
 
-def replicated_faults(faults: list[Fault], axis: str) -> list[Fault]:
+def replicated_faults(faults: Sequence[Fault], axis: str) -> list[Fault]:
     """The faults each device found, held in every device if they hold in any: one
     all-reduce of a word per fault (none without faults)."""
     return assemble_with_faults((), jnp.zeros(0, jnp.bool_), faults, axis)[1]

@@ -17,7 +17,7 @@ from ._checks import (
     Prototype,
     spec_of,
 )
-from ._faults import check_faults
+from ._faults import check_faults, veto
 
 
 _CB = TypeVar("_CB", bound="CircularBuffer")
@@ -154,7 +154,7 @@ class CircularBuffer(eqx.Module):
         # optimised away, e.g. when max_size == 1 makes the gather independent of its index.
         empty = "`CircularBuffer.pop`: cannot pop from an empty CircularBuffer"
         item, count = check_faults((item, self.count), [(self.count == 0, empty)])
-        return item, eqx.tree_at(lambda b: b.count, self, count - 1)
+        return item, eqx.tree_at(lambda b: b.count, self, jnp.maximum(count - 1, 0))
 
     def get(self, index: Integer[ArrayLike, ""]) -> PyTree[Array]:
         """The `index`-th oldest stored item: `get(0)` is the oldest, `get(size - 1)` the newest.
@@ -235,7 +235,11 @@ def apply(cb: _CB, fn: Callable[[PyTree[Array]], PyTree[Array]]) -> _CB:
 
 
 def write(cb: _CB, item: PyTree[Array]) -> tuple[_CB, Int[Array, ""]]:
-    """Push one item: `(buffer, the slot it went to)`."""
+    """Push one item: `(buffer, the slot it went to)`. Nothing where a recording call vetoes
+    its writes (`_faults.vetoing`): then the slot is `max_size`, out of range."""
+    if veto() is not None:
+        cb, slots = _write_masked(cb, jax.tree.map(lambda x: x[None], item), jnp.ones(1, bool))
+        return cb, slots[0]
     slot = cb.head
     data = jax.tree.map(lambda x, y: x.at[slot].set(y), cb.data, item)
     head = ring_add(slot, 1, cb.max_size)
@@ -253,8 +257,8 @@ def write_batch(
     """
     n = jax.tree.leaves(items)[0].shape[0]
     m = cb.max_size
-    if mask is not None:
-        return _write_masked(cb, items, mask)
+    if mask is not None or veto() is not None:
+        return _write_masked(cb, items, jnp.ones(n, jnp.bool_) if mask is None else mask)
     if n == 0:
         return cb, jnp.zeros(0, jnp.int32)
     # Of n pushes only the last k = min(n, m) survive; push j lands at offset j mod m from
@@ -278,7 +282,11 @@ def write_batch(
 def _write_masked(
     cb: _CB, items: PyTree[Array], mask: Bool[Array, " n"]
 ) -> tuple[_CB, Int[Array, " n"]]:
-    """`write_batch` with a mask: the number of pushes is known only at run time."""
+    """`write_batch` with a mask: the number of pushes is known only at run time. A vetoed
+    write (`_faults.vetoing`) masks every item out."""
+    vetoed = veto()
+    if vetoed is not None:
+        mask = mask & ~vetoed
     m = cb.max_size
     rank = jnp.cumsum(mask, dtype=jnp.int32) - 1  # position among the valid items
     total = jnp.sum(mask, dtype=jnp.int32)

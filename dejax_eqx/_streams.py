@@ -1,6 +1,7 @@
 """Per-env streams of steps: the storage under every trajectory buffer, as `CircularBuffer` is
 under every replay. The only code that knows where a step of a stream sits."""
 
+from collections.abc import Callable
 from typing import Any, cast, NamedTuple, TypeVar
 
 import equinox as eqx
@@ -22,7 +23,7 @@ from ._checks import (
     Prototype,
     spec_of,
 )
-from ._faults import check_faults, Fault
+from ._faults import check_faults, Fault, veto, vetoing
 from ._storage import ring_add, ring_sub
 
 
@@ -226,11 +227,14 @@ def check_append(
     call: str,
     *,
     sequences: bool,
+    more: Callable[[Bool[Array, " num_envs"], int], list[Fault]] | None = None,
 ) -> Appended:
     """The door of an append: `items` (leaves `[n, ...]`, or `[n, T, ...]` with `sequences`)
     and `env_ids` checked, the steps written, and the faults: an env id out of range or
-    repeated, an env that would pass `2**31 - 1` steps. A bad id writes nothing (its row is
-    `num_envs`, which the scatter drops), whatever `EQX_ON_ERROR` says."""
+    repeated, an env that would pass `2**31 - 1` steps, and the caller's `more(added,
+    length)` (which envs take steps, and how many each). A bad id writes nothing (its row is
+    `num_envs`, which the scatter drops), whatever `EQX_ON_ERROR` says. Every fault is known
+    before the write: in a recording call (`throw=False`) a faulty append writes nothing."""
     if sequences:
         items, n, length = check_sequences(streams.item_spec, items, call)
     else:
@@ -263,14 +267,21 @@ def check_append(
         ]
     if length == 0 or n == 0:  # nothing is added, so nothing can be wrong: the caller returns
         return Appended(streams, rows, valid, jnp.zeros(streams.num_envs, jnp.bool_), 0, [])
-    new, added = append_steps(streams, items, None if env_ids is None else rows, length)
+    if env_ids is None:
+        taking = jnp.ones(streams.num_envs, jnp.bool_)
+    else:
+        taking = count_ids(rows, streams.num_envs) > 0
     faults.append(
         (
-            jnp.any(added & (streams.step_count > INT32_MAX - length)),
+            jnp.any(taking & (streams.step_count > INT32_MAX - length)),
             f"`{call}`: an env would pass 2**31 - 1 steps, the most its int32 step count "
             "holds; the step numbers that align periods and stamp samples would wrap",
         )
     )
+    if more is not None:
+        faults += more(taking, length)
+    with vetoing(faults):
+        new, added = append_steps(streams, items, None if env_ids is None else rows, length)
     return Appended(new, rows, valid, added, length, faults)
 
 
@@ -386,6 +397,10 @@ def append_steps(
     new streams and which envs took the steps. An env past `2**31 - 1 - length` steps keeps its
     count (the caller reports it)."""
     m = streams.max_length
+    vetoed = veto()
+    if vetoed is not None:  # a faulty recording call: no env takes a step (`_faults.vetoing`)
+        every = jnp.arange(streams.num_envs, dtype=jnp.int32)
+        rows = jnp.where(vetoed, streams.num_envs, every if rows is None else rows)
     if length > m:  # only the last m steps of each env survive, as after `length` appends
         items = jax.tree.map(lambda x: x[:, length - m :], items)
     kept = min(length, m)

@@ -33,6 +33,7 @@ from ._laws import (
 from ._nstep import as_nstep, NStep, read_transitions, Transitions
 from ._policy_age import AgedLaw, PolicyAge
 from ._priorities import check_beta
+from ._results import initial_result, reports, Result
 from ._sequences import admissible, draw_starts, Law, phase, start_log_weights
 from ._streams import (
     Appended,
@@ -115,8 +116,11 @@ class TrajectoryBuffer(AbstractTrajectoryBuffer):
     online_length: Int[Array, " num_envs"]
     """Per env, the number of steps in the online queue, in `[0, max_length]`, at most the
     replay window's (int32)."""
+    result: Result | None
+    """The first fault of the buffer's calls, as a `Result`, if it was built with
+    `throw=False` (see `check`); `None` if it raises its faults (`throw=True`)."""
 
-    def __init__(self, prototype: Prototype, num_envs: int, max_length: int):
+    def __init__(self, prototype: Prototype, num_envs: int, max_length: int, *, throw: bool = True):
         """**Arguments:**
 
         - `prototype`: one step of one env, a pytree of arrays (or Python scalars). Only its
@@ -124,7 +128,12 @@ class TrajectoryBuffer(AbstractTrajectoryBuffer):
         - `num_envs`: the number of envs (streams), a positive Python int.
         - `max_length`: the number of steps each env keeps, a positive Python int below
             `2**31`. Storage is `num_envs · max_length` steps.
+        - `throw`: how a fault (a fact of the data: an empty buffer, an index out of range)
+            is reported: raised at the faulty call (`True`, the default), or kept as the
+            buffer's `result` and beside what a read returns (`False`: no conditional and no
+            callback is compiled; see the guide's "Faults as results").
         """
+        self.result = initial_result(throw, "TrajectoryBuffer(throw=...)")
         self.streams = make_streams(prototype, num_envs, max_length, "TrajectoryBuffer")
         self.online_length = jnp.zeros(self.streams.num_envs, jnp.int32)
 
@@ -140,12 +149,14 @@ class TrajectoryBuffer(AbstractTrajectoryBuffer):
         source = check_choice(source, SOURCES, "TrajectoryBuffer.lengths(source=...)")
         return self.streams.lengths if source == "replay" else self.online_length
 
+    @reports
     def add(
         self: _TB, items: PyTree[ArrayLike], env_ids: Integer[ArrayLike, " n"] | None = None
     ) -> _TB:
         done = check_append(self.streams, items, env_ids, "TrajectoryBuffer.add", sequences=False)
         return append_checked(self, done)[0]
 
+    @reports
     def extend(
         self: _TB, items: PyTree[ArrayLike], env_ids: Integer[ArrayLike, " n"] | None = None
     ) -> _TB:
@@ -203,6 +214,7 @@ class TrajectoryBuffer(AbstractTrajectoryBuffer):
             return MixedLaw(tuple(parts), tuple(sources.values()), call), faults
         return parts[0], faults
 
+    @reports
     def sample(
         self,
         key: PRNGKeyArray,
@@ -246,6 +258,7 @@ class TrajectoryBuffer(AbstractTrajectoryBuffer):
             age=age,
         )
 
+    @reports
     def sample_mixed(
         self,
         key: PRNGKeyArray,
@@ -291,6 +304,7 @@ class TrajectoryBuffer(AbstractTrajectoryBuffer):
             source=sizes,  # pyright: ignore[reportArgumentType]
         )
 
+    @reports
     def sample_transitions(
         self,
         key: PRNGKeyArray,
@@ -311,6 +325,7 @@ class TrajectoryBuffer(AbstractTrajectoryBuffer):
         nstep = as_nstep(nstep, options, call)
         return super().sample(key, batch_size, nstep, discount=discount, source=source)
 
+    @reports
     def read(
         self,
         env_ids: Integer[ArrayLike, " n"],
@@ -355,6 +370,7 @@ class TrajectoryBuffer(AbstractTrajectoryBuffer):
         out = read_windows(self.streams, stamps.env, back, window)
         return check_faults(out, faults, order_reads=False)
 
+    @reports
     def overwritten(
         self, env_ids: Integer[ArrayLike, "*n"], starts: Integer[ArrayLike, "*n"]
     ) -> Bool[Array, "*n"]:

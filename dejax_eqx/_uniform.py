@@ -12,6 +12,7 @@ from ._faults import Fault
 from ._laws import AbstractEnumerableLaw, AbstractLaw, Candidates, Draw, locate
 from ._policy_age import AgedLaw, PolicyAge
 from ._priorities import check_beta
+from ._results import initial_result, reports, Result
 from ._storage import (
     apply,
     check_batch,
@@ -56,14 +57,22 @@ class UniformReplay(AbstractReplay):
 
     storage: CircularBuffer
     """The stored items, as a `CircularBuffer` (its `data` holds the slots)."""
+    result: Result | None
+    """The first fault of the buffer's calls, as a `Result`, if it was built with
+    `throw=False` (see `check`); `None` if it raises its faults (`throw=True`)."""
 
-    def __init__(self, prototype: Prototype, max_size: int):
+    def __init__(self, prototype: Prototype, max_size: int, *, throw: bool = True):
         """**Arguments:**
 
         - `prototype`: one item, a pytree of arrays (or Python scalars). Only its structure,
             shapes and dtypes are used.
         - `max_size`: the capacity, a positive Python int below `2**31`.
+        - `throw`: how a fault (a fact of the data: an empty buffer, an index out of range)
+            is reported: raised at the faulty call (`True`, the default), or kept as the
+            buffer's `result` and beside what a read returns (`False`: no conditional and no
+            callback is compiled; see the guide's "Faults as results").
         """
+        self.result = initial_result(throw, "UniformReplay(throw=...)")
         max_size = check_positive_int(max_size, "UniformReplay(max_size=...)")
         self.storage = CircularBuffer(
             as_prototype(prototype, "UniformReplay(prototype=...)"), max_size
@@ -81,10 +90,12 @@ class UniformReplay(AbstractReplay):
     def item_spec(self) -> PyTree[jax.ShapeDtypeStruct]:
         return self.storage.item_spec
 
+    @reports
     def add(self: _U, item: PyTree[ArrayLike]) -> _U:
         item, _ = check_items(self.item_spec, item, "UniformReplay.add", batched=False)
         return eqx.tree_at(lambda r: r.storage, self, write(self.storage, item)[0])
 
+    @reports
     def add_batch(
         self: _U, items: PyTree[ArrayLike], *, mask: Bool[ArrayLike, " n"] | None = None
     ) -> _U:

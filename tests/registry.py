@@ -642,6 +642,12 @@ _PROTOCOL = {
     "counts": f"None for a buffer that counts nothing ({_LAYERS})",
     "with_counts": f"the buffer as it is for a buffer that counts nothing ({_LAYERS})",
     "priority_settings": f"static: what a dataset keeps of the priorities ({_LAYERS})",
+    # How faults are reported: every method of every type again with `throw=False` in
+    # tests/test_results.py.
+    "throw": _STATIC,
+    "with_throw": "tests/test_results.py, every method with `throw=False`",
+    "with_result": "tests/test_results.py, the first fault kept",
+    "check": "tests/test_results.py, every kind of fault",
 }
 _NO_PRIORITIES = "refused at once for a buffer without priorities (tests/test_layers.py)"
 _REPLAY_PROTOCOL = {

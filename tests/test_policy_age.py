@@ -382,9 +382,13 @@ def test_policy_age_arguments_are_checked():
         PolicyAge(version, jnp.asarray(3.0))  # a float version
     with pytest.raises(RuntimeError, match=r"PolicyAge\(max_age=...\)` must be in \[0, 2\*\*31"):
         PolicyAge(version, 3, jnp.asarray(-1, jnp.int32))
-    make = eqx.filter_jit(lambda c, m: PolicyAge(version, c, m).max_age)
+    # Traced, the age is reported by the call it is given to, as its other arguments are.
+    sample = eqx.filter_jit(
+        lambda buf, c, m: buf.sample(jax.random.key(0), 2, age=PolicyAge(version, c, m))
+    )
+    buf = dx.UniformReplay(ITEM, 6).add_batch(_replay_items(4))
     with pytest.raises(RuntimeError, match=r"PolicyAge\(max_age=...\)` must be in"):
-        make(jnp.asarray(3), jnp.asarray(-1))
+        sample(buf, jnp.asarray(3), jnp.asarray(-1))
     age = PolicyAge(version, np.int64(7), np.uint8(2))
     assert age.current.dtype == jnp.int32 and int(age.current) == 7 and int(age.max_age) == 2
 
