@@ -391,3 +391,68 @@ def test_every_message_of_the_catalogue_has_one_kind():
         example = message.text.replace("…", "7")
         found.add(kind_of(example))  # raises for a message of no kind
     assert found == set(range(1, len(dx.RESULTS))), "an item of RESULTS no message has"
+
+
+# The flashbax layer's builders take `throw` too.
+
+TIMESTEP = {"obs": jnp.zeros(2), "reward": jnp.zeros(())}
+
+
+def _builders():
+    from dejax_eqx.compat import flashbax as fbx
+
+    return {
+        "flat": lambda t: fbx.make_flat_buffer(16, 4, 2, add_batch_size=2, throw=t),
+        "item": lambda t: fbx.make_item_buffer(16, 4, 2, add_batches=True, throw=t),
+        "trajectory": lambda t: fbx.make_trajectory_buffer(
+            2, 2, 2, 1, 2, max_length_time_axis=8, throw=t
+        ),
+        "prioritised flat": lambda t: fbx.make_prioritised_flat_buffer(
+            16, 4, 2, add_batch_size=2, throw=t
+        ),
+        "prioritised item": lambda t: fbx.make_prioritised_item_buffer(
+            16, 4, 2, add_batches=True, throw=t
+        ),
+        "prioritised trajectory": lambda t: fbx.make_prioritised_trajectory_buffer(
+            2, 2, 2, 1, 2, max_length_time_axis=8, throw=t
+        ),
+        "queue": lambda t: fbx.make_trajectory_queue(8, 2, 1, 2, throw=t),
+    }
+
+
+def _batch(name: str):
+    rows = {"flat": 2, "prioritised flat": 2, "item": 3, "prioritised item": 3}.get(name, 2)
+    batch = jax.tree.map(lambda x: jnp.ones((rows, *x.shape), x.dtype), TIMESTEP)
+    if name in ("trajectory", "prioritised trajectory", "queue"):
+        batch = jax.tree.map(lambda x: x[:, None], batch)  # a time axis of 1
+    return batch
+
+
+@pytest.mark.parametrize("name", list(_builders()))
+def test_the_flashbax_layer_records_faults(name):
+    make = _builders()[name]
+    raising, buffer = make(True), make(False)
+    add = eqx.filter_jit(buffer.add)
+    if name == "queue":
+        sample = eqx.filter_jit(lambda s, k: buffer.sample(s))
+    else:
+        sample = eqx.filter_jit(buffer.sample)
+    state = buffer.init(TIMESTEP)
+    for fn, args in [(add, (state, _batch(name))), (sample, (state, KEY))]:
+        text = jax.jit(fn).lower(*args).as_text()
+        assert not _FORBIDDEN.search(text), name
+    # A sample of an empty buffer: raised by the raising builder, recorded by the other.
+    with pytest.raises(eqx.EquinoxRuntimeError):
+        empty = raising.init(TIMESTEP)
+        out = raising.sample(empty) if name == "queue" else raising.sample(empty, KEY)
+        jax.block_until_ready(out)
+    out = sample(state, KEY)
+    drawn = out[1] if name == "queue" else out
+    assert drawn.result is not None and not bool(drawn.result.ok)
+    with pytest.raises(eqx.EquinoxRuntimeError):
+        drawn.result.check()
+    if name == "queue":
+        assert bool(out[0].module.result.ok) is False  # the pop is on the state too
+        assert int(out[0].module.unread.sum()) == 0
+    state = add(state, _batch(name))
+    assert bool(state.module.result.ok)

@@ -18,7 +18,12 @@ from .._checks import (
     check_vector as check_vector,
     Prototype as Prototype,
 )
-from .._faults import check_faults as check_faults, Fault as Fault, is_concrete as is_concrete
+from .._faults import (
+    check_faults as check_faults,
+    Fault as Fault,
+    is_concrete as is_concrete,
+    recording as recording,
+)
 from .._laws import (
     float_targets as float_targets,
     in_union as in_union,
@@ -30,5 +35,6 @@ from .._laws import (
 from .._priorities import Priorities as Priorities, priority_mass as priority_mass
 from .._prioritised_trajectory import stamps_of as stamps_of
 from .._queue import extend_queue as extend_queue, pop_queue as pop_queue
+from .._results import reports as reports, result_of as result_of
 from .._sequences import draw_starts as draw_starts, phase as phase
 from .._windows import read_windows as read_windows

@@ -7,14 +7,17 @@ are exactly the module's) and computes flashbax's fields from it. Every field is
 `can_sample` outside `pmap` on per-device states).
 """
 
-from typing import Generic, NamedTuple, TypeVar
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import equinox as eqx
 import jax
 from jaxtyping import Array, Bool, Int, PyTree
 
-from ... import AbstractTrajectoryBuffer, TrajectoryBuffer
-from ...internal import check_sequences
+from ... import AbstractTrajectoryBuffer, Result, TrajectoryBuffer
+from ...internal import check_sequences, recording, result_of
 
 
 # flashbax's type variable for the experience a buffer holds (one step: any pytree); its states
@@ -79,6 +82,7 @@ class TrajectoryBufferState(LockStepState, Generic[Experience]):
 
 class TrajectoryBufferSample(eqx.Module, Generic[Experience]):
     experience: PyTree[Array]
+    result: Result | None = None  # a `throw=False` buffer's (see `with_throw`)
 
 
 class ExperiencePair(NamedTuple, Generic[Experience]):
@@ -93,6 +97,7 @@ Pair = tuple[PyTree[Array], PyTree[Array]]
 
 class TransitionSample(eqx.Module, Generic[Experience]):
     experience: Pair
+    result: Result | None = None  # a `throw=False` buffer's (see `with_throw`)
 
 
 def pairs(windows: PyTree[Array]) -> Pair:
@@ -106,3 +111,55 @@ def pairs(windows: PyTree[Array]) -> Pair:
 def first_steps(windows: PyTree[Array]) -> PyTree[Array]:
     """Windows of one step (leaves `[batch, 1, ...]`) without their time axis."""
     return jax.tree.map(lambda x: x[:, 0], windows)
+
+
+_C = TypeVar("_C")
+
+
+def with_throw(buffer: _C, throw: Any, call: str) -> _C:
+    """A buffer of this layer (its container of functions) whose faults are reported as
+    `throw` says: raised (`True`, flashbax's behaviour and the default), or, with `False`,
+    kept as the state's `module.result` (the first fault of the calls that returned the
+    state) and as the `result` of what `sample` returns: no conditional and no callback is
+    compiled. `state.module.check()` and `sample.result.check()` raise them on the host."""
+    if not isinstance(throw, bool):
+        raise TypeError(f"`{call}(throw=...)` must be a bool, got {throw!r}.")
+    if throw:
+        return buffer
+    changes: dict[str, Any] = {"init": _init_recording(buffer.init)}  # pyright: ignore
+    for name in ("add", "sample", "sample_n", "set_priorities"):
+        fn = getattr(buffer, name, None)
+        if fn is not None:
+            changes[name] = _recorded(fn)
+    return dataclasses.replace(buffer, **changes)  # pyright: ignore
+
+
+def _init_recording(init: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(init)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        state = init(*args, **kwargs)
+        return eqx.tree_at(lambda s: s.module, state, state.module.with_throw(False))
+
+    return call
+
+
+def _recorded(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn(state, ...)` with its faults recorded: on the state it returns (first fault
+    wins), or as the `result` of the sample it returns."""
+
+    @functools.wraps(fn)
+    def call(state: Any, *args: Any, **kwargs: Any) -> Any:
+        out, faults = recording(lambda: fn(state, *args, **kwargs), record=True)
+        if faults is None:  # inside another recording call
+            return out
+        result = result_of(faults)
+
+        def handed(x: Any) -> Any:
+            if hasattr(x, "module"):  # a state
+                kept = state.module.result.first(result)
+                return eqx.tree_at(lambda s: s.module, x, x.module.with_result(kept))
+            return eqx.tree_at(lambda s: s.result, x, result, is_leaf=lambda r: r is None)
+
+        return tuple(handed(x) for x in out) if isinstance(out, tuple) else handed(out)
+
+    return call

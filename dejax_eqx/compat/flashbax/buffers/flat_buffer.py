@@ -11,6 +11,7 @@ from .._states import (
     pairs,
     TrajectoryBufferState as TrajectoryBufferState,
     TransitionSample as TransitionSample,
+    with_throw,
 )
 from ..utils import add_dim_to_args as add_dim_to_args
 from .trajectory_buffer import (
@@ -120,6 +121,7 @@ def make_flat_buffer(
     sample_batch_size: int,
     add_sequences: bool = False,
     add_batch_size: int | None = None,
+    throw: bool = True,
 ) -> TrajectoryBuffer:
     """flashbax's `make_flat_buffer`: a buffer of transitions, sampled as `ExperiencePair`s.
 
@@ -131,7 +133,12 @@ def make_flat_buffer(
     - `add_sequences`: whether each `add` brings a sequence of steps per row (a time axis).
     - `add_batch_size`: the rows each `add` brings (a leading axis), or `None` for one step
         (or sequence) per `add`, without that axis.
+
+    `throw` (not flashbax's): `False` keeps every fault as a result instead of raising it (the
+    state's `module.result`, a sample's `result`), with no conditional and no callback
+    compiled; see `dejax_eqx.compat.flashbax` and the guide's "Faults as results".
     """
-    return create_flat_buffer(
+    buffer = create_flat_buffer(
         max_length, min_length, sample_batch_size, add_sequences, add_batch_size
     )
+    return with_throw(buffer, throw, "make_flat_buffer")

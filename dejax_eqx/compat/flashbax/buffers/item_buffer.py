@@ -10,6 +10,7 @@ from .._states import (
     first_steps,
     TrajectoryBufferSample as TrajectoryBufferSample,
     TrajectoryBufferState as TrajectoryBufferState,
+    with_throw,
 )
 from ..utils import add_dim_to_args as add_dim_to_args
 from .flat_buffer import validate_sample_batch_size as validate_sample_batch_size
@@ -87,6 +88,7 @@ def make_item_buffer(
     sample_batch_size: int,
     add_sequences: bool = False,
     add_batches: bool = False,
+    throw: bool = True,
 ) -> TrajectoryBuffer:
     """flashbax's `make_item_buffer`: a buffer of independent items.
 
@@ -97,5 +99,12 @@ def make_item_buffer(
     - `sample_batch_size`: the items per `sample`.
     - `add_sequences`: whether each `add` brings a time axis of items.
     - `add_batches`: whether each `add` brings a leading batch axis of items.
+
+    `throw` (not flashbax's): `False` keeps every fault as a result instead of raising it (the
+    state's `module.result`, a sample's `result`), with no conditional and no callback
+    compiled; see `dejax_eqx.compat.flashbax` and the guide's "Faults as results".
     """
-    return create_item_buffer(max_length, min_length, sample_batch_size, add_sequences, add_batches)
+    buffer = create_item_buffer(
+        max_length, min_length, sample_batch_size, add_sequences, add_batches
+    )
+    return with_throw(buffer, throw, "make_item_buffer")

@@ -10,11 +10,13 @@ items are the windows of two steps starting at every step: `experience.first` is
 import equinox as eqx
 from jaxtyping import Array, Float, Int
 
+from .... import Result
 from .._states import (
     ExperiencePair as ExperiencePair,
     Pair,
     pairs,
     TransitionSample as TransitionSample,
+    with_throw,
 )
 from ..utils import add_dim_to_args as add_dim_to_args
 from .flat_buffer import validate_flat_buffer_args as validate_flat_buffer_args
@@ -38,6 +40,7 @@ class PrioritisedTransitionSample(eqx.Module):
     experience: Pair
     indices: Int[Array, "*batch"]
     probabilities: Float[Array, "*batch"]
+    result: Result | None = None  # a `throw=False` buffer's (see `with_throw`)
 
 
 def make_prioritised_flat_buffer(
@@ -48,6 +51,7 @@ def make_prioritised_flat_buffer(
     add_batch_size: int | None = None,
     priority_exponent: float = 0.6,
     device: str = "cpu",
+    throw: bool = True,
 ) -> PrioritisedTrajectoryBuffer:
     """flashbax's `make_prioritised_flat_buffer`: a buffer of transitions, sampled by priority
     as `ExperiencePair`s.
@@ -63,6 +67,10 @@ def make_prioritised_flat_buffer(
     - `priority_exponent`: `α` in `[0, 1]`; a transition is drawn with probability
         `p ** α / Σ p ** α`.
     - `device`: accepted and checked, not used.
+
+    `throw` (not flashbax's): `False` keeps every fault as a result instead of raising it (the
+    state's `module.result`, a sample's `result`), with no conditional and no callback
+    compiled; see `dejax_eqx.compat.flashbax` and the guide's "Faults as results".
     """
     add_batches = add_batch_size is not None
     check_sizes(
@@ -85,7 +93,7 @@ def make_prioritised_flat_buffer(
         priority_exponent=priority_exponent,
         device=device,
     )
-    return reshaped(
+    buffer = reshaped(
         buffer,
         sample_batch_size,
         add_batches=add_batches,
@@ -98,3 +106,4 @@ def make_prioritised_flat_buffer(
         ),
         call="prioritised_trajectory_buffer.prioritised_add",
     )
+    return with_throw(buffer, throw, "make_prioritised_flat_buffer")

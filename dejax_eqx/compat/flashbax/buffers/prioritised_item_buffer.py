@@ -5,7 +5,7 @@ whose items are the windows of one step, returned without their time axis. A bat
 ...]` is added as `B * T` items in row-major order, as flashbax does.
 """
 
-from .._states import Experience as Experience, first_steps
+from .._states import Experience as Experience, first_steps, with_throw
 from ..utils import add_dim_to_args as add_dim_to_args
 from .item_buffer import validate_item_buffer_args as validate_item_buffer_args
 from .prioritised_trajectory_buffer import (
@@ -71,6 +71,7 @@ def make_prioritised_item_buffer(
     add_batches: bool = False,
     priority_exponent: float = 0.6,
     device: str = "cpu",
+    throw: bool = True,
 ) -> PrioritisedTrajectoryBuffer:
     """flashbax's `make_prioritised_item_buffer`: a buffer of independent items, sampled by
     priority.
@@ -85,8 +86,12 @@ def make_prioritised_item_buffer(
     - `priority_exponent`: `α` in `[0, 1]`; an item is drawn with probability
         `p ** α / Σ p ** α`.
     - `device`: accepted and checked, not used.
+
+    `throw` (not flashbax's): `False` keeps every fault as a result instead of raising it (the
+    state's `module.result`, a sample's `result`), with no conditional and no callback
+    compiled; see `dejax_eqx.compat.flashbax` and the guide's "Faults as results".
     """
-    return create_prioritised_item_buffer(
+    buffer = create_prioritised_item_buffer(
         max_length,
         min_length,
         sample_batch_size,
@@ -95,3 +100,4 @@ def make_prioritised_item_buffer(
         priority_exponent,
         device,
     )
+    return with_throw(buffer, throw, "make_prioritised_item_buffer")

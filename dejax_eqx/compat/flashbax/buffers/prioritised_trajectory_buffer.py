@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, Integer, PRNGKeyArray, PyTree, Real
 
-from .... import PrioritisedTrajectoryBuffer as _Module, Window
+from .... import PrioritisedTrajectoryBuffer as _Module, Result, Window
 from ....internal import (
     as_float,
     check_faults,
@@ -45,6 +45,7 @@ from .._states import (
     LockStepState,
     TrajectoryBufferSample as TrajectoryBufferSample,
     TrajectoryBufferState as TrajectoryBufferState,
+    with_throw,
 )
 from .sum_tree import get_tree_depth as get_tree_depth, SumTreeState
 from .trajectory_buffer import (
@@ -120,6 +121,7 @@ class PrioritisedTrajectoryBufferSample(eqx.Module, Generic[Experience]):
     experience: PyTree[Array]
     indices: Int[Array, "*batch"]
     probabilities: Float[Array, "*batch"]
+    result: Result | None = None  # a `throw=False` buffer's (see `with_throw`)
 
 
 def _build(
@@ -482,12 +484,17 @@ def make_prioritised_trajectory_buffer(
     max_length_time_axis: int | None = None,
     priority_exponent: float = 0.6,
     device: str = "cpu",
+    throw: bool = True,
 ) -> PrioritisedTrajectoryBuffer:
     """flashbax's `make_prioritised_trajectory_buffer`, same arguments and defaults.
 
     As flashbax does, `max_length_time_axis` (or `max_size // add_batch_size`) is cut down to a
     multiple of `period`, with a printed note when that loses capacity. `device` is only
     checked (see `validate_device`).
+
+    `throw` (not flashbax's): `False` keeps every fault as a result instead of raising it (the
+    state's `module.result`, a sample's `result`), with no conditional and no callback
+    compiled; see `dejax_eqx.compat.flashbax` and the guide's "Faults as results".
     """
     call = "make_prioritised_trajectory_buffer"
     check_sizes(
@@ -532,7 +539,7 @@ def make_prioritised_trajectory_buffer(
             f"{period}: using {aligned}, {(max_length_time_axis - aligned) * add_batch_size} "
             "fewer steps in all."
         )
-    return PrioritisedTrajectoryBuffer(
+    buffer = PrioritisedTrajectoryBuffer(
         init=functools.partial(
             _make_init,
             add_batch_size=add_batch_size,
@@ -561,3 +568,4 @@ def make_prioritised_trajectory_buffer(
             set_priorities, priority_exponent=priority_exponent, device=device
         ),
     )
+    return with_throw(buffer, throw, "make_prioritised_trajectory_buffer")

@@ -24,7 +24,13 @@ from ....internal import (
     phase,
     read_windows,
 )
-from .._states import check_add, Experience, TrajectoryBufferSample, TrajectoryBufferState
+from .._states import (
+    check_add,
+    Experience,
+    TrajectoryBufferSample,
+    TrajectoryBufferState,
+    with_throw,
+)
 from ..utils import add_dim_to_args
 
 
@@ -257,9 +263,15 @@ def make_trajectory_buffer(
     min_length_time_axis: int,
     max_size: int | None = None,
     max_length_time_axis: int | None = None,
+    throw: bool = True,
 ) -> TrajectoryBuffer:
     """flashbax's `make_trajectory_buffer`, same arguments and defaults (each integer checked:
-    positive, `min_length_time_axis` non-negative)."""
+    positive, `min_length_time_axis` non-negative).
+
+    `throw` (not flashbax's): `False` keeps every fault as a result instead of raising it (the
+    state's `module.result`, a sample's `result`), with no conditional and no callback
+    compiled; see `dejax_eqx.compat.flashbax` and the guide's "Faults as results".
+    """
     check_sizes(
         "make_trajectory_buffer",
         add_batch_size=add_batch_size,
@@ -287,7 +299,7 @@ def make_trajectory_buffer(
     if max_size is not None:
         max_length_time_axis = max_size // add_batch_size
     assert max_length_time_axis is not None  # one of the two is given, as checked above
-    return TrajectoryBuffer(
+    buffer = TrajectoryBuffer(
         init=functools.partial(
             init, add_batch_size=add_batch_size, max_length_time_axis=max_length_time_axis
         ),
@@ -301,6 +313,7 @@ def make_trajectory_buffer(
         can_sample=functools.partial(can_sample, min_length_time_axis=min_length_time_axis),
         sample_n=functools.partial(sample, sequence_length=sample_sequence_length, period=period),
     )
+    return with_throw(buffer, throw, "make_trajectory_buffer")
 
 
 def reshaped(

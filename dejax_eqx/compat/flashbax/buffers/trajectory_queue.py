@@ -20,9 +20,9 @@ from typing import Generic, TypeVar
 import equinox as eqx
 from jaxtyping import Array, Bool, Int, PyTree
 
-from .... import TrajectoryQueue as _Module
+from .... import Result, TrajectoryQueue as _Module
 from ....internal import extend_queue, pop_queue
-from .._states import check_add
+from .._states import check_add, with_throw
 from .trajectory_buffer import check_required_sizes, check_sizes, length_from_max_size
 
 
@@ -64,6 +64,7 @@ class TrajectoryQueueSample(eqx.Module, Generic[Experience]):
     """What `sample` returns: `experience`, leaves `[add_batch_size, sequence_length, ...]`."""
 
     experience: PyTree[Array]
+    result: Result | None = None  # a `throw=False` queue's (see `with_throw`)
 
 
 # `[..., 0]` rather than `[0]`: the same fields then read a stack of states, as `pmap` returns.
@@ -211,6 +212,7 @@ def make_trajectory_queue(
     add_sequence_length: int,
     sample_sequence_length: int,
     max_size: int | None = None,
+    throw: bool = True,
 ) -> TrajectoryQueue:
     """flashbax's `make_trajectory_queue`: a consume-once queue of trajectories.
 
@@ -222,6 +224,10 @@ def make_trajectory_queue(
     - `sample_sequence_length`: the steps per row each `sample` removes and returns.
     - `max_size`: if given, the steps kept in all; it sets `max_length_time_axis` to
         `max_size // add_batch_size` (with a warning).
+
+    `throw` (not flashbax's): `False` keeps every fault as a result instead of raising it (the
+    state's `module.result`, a sample's `result`), with no conditional and no callback
+    compiled; see `dejax_eqx.compat.flashbax` and the guide's "Faults as results".
     """
     check_sizes(
         "make_trajectory_queue",
@@ -238,7 +244,7 @@ def make_trajectory_queue(
     )
     if max_size is not None:
         max_length_time_axis = max_size // add_batch_size
-    return TrajectoryQueue(
+    buffer = TrajectoryQueue(
         init=functools.partial(
             init, add_batch_size=add_batch_size, max_length_time_axis=max_length_time_axis
         ),
@@ -255,3 +261,4 @@ def make_trajectory_queue(
             max_length_time_axis=max_length_time_axis,
         ),
     )
+    return with_throw(buffer, throw, "make_trajectory_queue")
