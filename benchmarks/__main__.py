@@ -97,6 +97,7 @@ _W3_SYSTEMS = (
     "dejax_eqx",
     "dejax_eqx jax.jit",
     "dejax_eqx jax.jit, EQX_ON_ERROR=nan",
+    "dejax_eqx jax.jit, throw=False",
     "raw",
     "raw filter_jit",
     "flashbax",
@@ -142,7 +143,12 @@ _W10_SYSTEMS = (
     "dejax_eqx prioritised, jax.jit",
     "raw",
 )
-_W10_LOCK_STEP = ("dejax_eqx lock-step jax.jit", "dejax_eqx jax.jit, EQX_ON_ERROR=nan", "flashbax")
+_W10_LOCK_STEP = (
+    "dejax_eqx lock-step jax.jit",
+    "dejax_eqx jax.jit, EQX_ON_ERROR=nan",
+    "dejax_eqx jax.jit, throw=False",
+    "flashbax",
+)
 _W10 = tuple(
     (s, n) for n in (16, 64) for s in (*_W10_SYSTEMS, *(_W10_LOCK_STEP if n == 64 else ()))
 )
@@ -175,6 +181,7 @@ _W13 = tuple(
         ("flashbax", ""),
         ("dejax_eqx.compat.flashbax", ""),
         ("dejax_eqx.compat.flashbax", ", EQX_ON_ERROR=nan"),
+        ("dejax_eqx.compat.flashbax", ", throw=False"),
     )
 )
 

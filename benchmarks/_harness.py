@@ -207,6 +207,15 @@ def sampling_scan(sample: Callable[[Any, Any], Any], steps: int) -> Callable[[An
 
 
 # ---------------------------------------------------------------------------------------------
+def results_mode(system: str) -> tuple[str, bool]:
+    """`system` without a trailing `, throw=False`, and whether it had one: the buffer is then
+    built with `throw=False` (its faults kept as results, nothing raised)."""
+    suffix = ", throw=False"
+    if system.endswith(suffix):
+        return system[: -len(suffix)], True
+    return system, False
+
+
 # One measurement per process
 
 

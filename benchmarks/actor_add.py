@@ -70,8 +70,11 @@ def _inputs(num_envs: int, per_add: int) -> list[tuple[dict[str, np.ndarray], np
 
 def _add_fn(system: str, num_envs: int):
     """`(state, add)` with `add(state, steps, env_ids) -> state`."""
+    system, results = h.results_mode(system)
     if system in ("dejax_eqx eqx.filter_jit", "dejax_eqx jax.jit"):
-        state = dx.TrajectoryBuffer(_prototype(), num_envs=num_envs, max_length=MAX_LENGTH)
+        state = dx.TrajectoryBuffer(
+            _prototype(), num_envs=num_envs, max_length=MAX_LENGTH, throw=not results
+        )
 
         def add(buf, steps, env_ids):
             return buf.add(steps, env_ids=env_ids)

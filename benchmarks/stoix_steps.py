@@ -17,7 +17,9 @@ differs, as in W9), the buffer full, the step donating its state:
 The value is milliseconds per step: the minimum over `repeats` rounds of `STEPS` calls each
 (the issue's protocol: a round's calls run back to back, as a training loop's do, so JAX's
 asynchronous dispatch overlaps a call's dispatch with the previous call's run where it can).
-A system name ending in `, EQX_ON_ERROR=nan` runs with the run-time checks as NaNs.
+A system name ending in `, EQX_ON_ERROR=nan` runs with the run-time checks as NaNs; one
+ending in `, throw=False` builds the drop-in's buffer with `throw=False` (faults kept as
+results: no conditional and no callback compiled).
 """
 
 import importlib
@@ -53,9 +55,9 @@ def _transitions(t, n: int) -> dict[str, jax.Array]:
     }
 
 
-def _item_like(fbx, prioritised: bool):
+def _item_like(fbx, prioritised: bool, options: dict):
     make = fbx.make_prioritised_item_buffer if prioritised else fbx.make_item_buffer
-    options = {"priority_exponent": 0.6} if prioritised else {}
+    options = {**options, **({"priority_exponent": 0.6} if prioritised else {})}
     buffer = make(
         max_length=ITEM_SIZE,
         min_length=BATCH,
@@ -82,7 +84,7 @@ def _item_like(fbx, prioritised: bool):
     return state, step
 
 
-def _r2d2(fbx):
+def _r2d2(fbx, options: dict):
     buffer = fbx.make_prioritised_trajectory_buffer(
         add_batch_size=NUM_ENVS,
         sample_batch_size=BATCH,
@@ -91,6 +93,7 @@ def _r2d2(fbx):
         min_length_time_axis=SEQUENCE,
         max_length_time_axis=ROW_LENGTH,
         priority_exponent=0.6,
+        **options,
     )
     state = buffer.init(jax.tree.map(lambda x: x[0], _transitions(0, 1)))
 
@@ -116,8 +119,8 @@ def _r2d2(fbx):
 
 
 PARTS = {
-    "item": lambda fbx: _item_like(fbx, prioritised=False),
-    "rainbow": lambda fbx: _item_like(fbx, prioritised=True),
+    "item": lambda fbx, options: _item_like(fbx, False, options),
+    "rainbow": lambda fbx, options: _item_like(fbx, True, options),
     "r2d2": _r2d2,
 }
 
@@ -125,10 +128,12 @@ PARTS = {
 def w13(system: str, size: int, steps: int, repeats: int) -> dict:
     """`system` is `"<module>, <part>"`; `size` is unused (the sizes are Stoix's), `steps` the
     calls per round."""
+    system, results = h.results_mode(system)
     name, _, part = system.partition(", ")
-    if name not in MODULES or part not in PARTS:
+    if name not in MODULES or part not in PARTS or (results and name == "flashbax"):
         raise ValueError(system)
-    state, step = PARTS[part](importlib.import_module(MODULES[name]))
+    options = {"throw": False} if results else {}
+    state, step = PARTS[part](importlib.import_module(MODULES[name]), options)
     call = jax.jit(step, donate_argnums=0)
     keys = list(jax.random.split(jax.random.key(0), steps))
     for k in keys[:2]:  # compile, and settle the state's types (see `h.time_steps`)

@@ -147,8 +147,11 @@ def _w3_step(system: str, capacity: int):
     """`(state, step)`: a full buffer of `capacity` items and the jitted, donating step
     `step(key, state, items) -> (state, sample)`."""
     if system.startswith("dejax_eqx"):
+        system, results = h.results_mode(system)
         state = _fill(
-            lambda b, x: b.add_batch(x), dx.UniformReplay(h.prototype(), capacity), capacity
+            lambda b, x: b.add_batch(x),
+            dx.UniformReplay(h.prototype(), capacity, throw=not results),
+            capacity,
         )
 
         def step(key, buf, new):
