@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from . import registry
+from .helpers import rotation, SLOW
 
 
 _BUFFERS = [t for t in registry.BUFFER_TYPES if issubclass(t.cls, dx.AbstractBuffer)]
@@ -21,7 +22,13 @@ _METHODS = [(t, name) for t in _BUFFERS for name in t.methods if name != "import
 _FORBIDDEN = re.compile(r"stablehlo\.(case|if)\b|callback")
 
 
-@pytest.mark.parametrize("pair", _METHODS, ids=registry.method_id)
+# Every method is lowered in the slow tier; the README's command lowers every fourth.
+_LOWERED = [
+    pair if i % 4 == 0 else pytest.param(pair, marks=SLOW) for i, pair in enumerate(_METHODS)
+]
+
+
+@pytest.mark.parametrize("pair", _LOWERED, ids=registry.method_id)
 def test_no_conditional_and_no_callback_is_compiled(pair):
     t, name = pair
     method = t.methods[name]
@@ -91,6 +98,29 @@ def _limited(adds: int = 1):
     for _ in range(adds):
         buf = buf.add_batch(_steps(2))
     return buf  # inserts 2 · adds, samples 0: within max_diff = 4 after two adds
+
+
+def _good_cluster(item):
+    return jnp.asarray(0, jnp.int32)
+
+
+def _clustered_ok():
+    return dx.ClusteredReplay(dx.PrioritisedReplay(STEP, 4), 2, _good_cluster).add_batch(_steps(2))
+
+
+def _one_env():
+    return dx.TrajectoryBuffer(STEP, 2, 4).add(_steps(1), jnp.array([0]))
+
+
+def _wrapped():
+    buf = dx.TrajectoryBuffer(STEP, 2, 4)
+    for t in range(5):  # env 0's step 0 is overwritten
+        buf = buf.add(_steps(2, float(t)))
+    return buf
+
+
+def _zero_priorities():
+    return dx.PrioritisedReplay(STEP, 4).add_batch(_steps(2), jnp.zeros(2))
 
 
 KEY = jax.random.key(0)
@@ -188,6 +218,69 @@ CASES = [
     ),
     Case("queue short", _queue, lambda b: b.pop(3), "queue_short", "an env holds fewer"),
     Case(
+        "nothing to peek",
+        _one_env,
+        lambda b: b.peek(jnp.array([0, 1])),
+        "nothing_to_peek",
+        "an env has no stored step yet",
+    ),
+    Case(
+        "stale window",
+        _wrapped,
+        lambda b: b.read(jnp.array([0]), jnp.array([0]), dx.Window(2)),
+        "stale_window",
+        "a window is stale",
+    ),
+    Case(
+        "bad beta",
+        _prioritised_windows,
+        lambda b: b.sample(KEY, 2, beta=jnp.asarray(-1.0)),
+        "bad_beta",
+        "`beta` must be finite",
+    ),
+    Case(
+        "zero priority",
+        _zero_priorities,
+        lambda b: b.sample(KEY, 2),
+        "zero_priority",
+        "every stored item has priority 0",
+    ),
+    Case(
+        "cluster id out of range",
+        _clustered_ok,
+        lambda b: b.set_priorities((jnp.array([0, 5]), jnp.array([0, 0])), jnp.ones(2)),
+        "cluster_id_out_of_range",
+        "a cluster id is outside",
+    ),
+    Case(
+        "version ahead",
+        _trajectory,
+        lambda b: b.sample(KEY, 2, dx.Window(1), age=dx.PolicyAge(_item_version, 0)),
+        "version_ahead",
+        "a stored step has a policy version greater",
+    ),
+    Case(
+        "too old",
+        _trajectory,
+        lambda b: b.sample(KEY, 2, dx.Window(1), age=dx.PolicyAge(_item_version, 9, 2)),
+        "too_old",
+        "older than `max_age`",
+    ),
+    Case(
+        "bad distribution power",
+        _trajectory,
+        lambda b: b.sample(KEY, 2, dx.Window(1), distribution_power=jnp.asarray(jnp.inf)),
+        "bad_distribution_power",
+        "`distribution_power` must be finite",
+    ),
+    Case(
+        "insert too large",
+        _limited,
+        lambda b: b.add_batch(_steps(4), mask=jnp.ones(4, bool)),
+        "insert_too_large",
+        "`n` must be in [0, insert_batch_size",
+    ),
+    Case(
         "insert refused",
         lambda: _limited(2),
         lambda b: b.add_batch(_steps(2, 5.0)),
@@ -217,7 +310,12 @@ def _buffer_of(out) -> Any:
     return None
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+# A third of the kinds in the README's command, every one in the slow tier.
+@pytest.mark.parametrize(
+    "case",
+    [c if i % 3 == 0 else pytest.param(c, marks=SLOW) for i, c in enumerate(CASES)],
+    ids=lambda c: c.name,
+)
 def test_a_fault_raises_or_is_recorded(case):
     call = eqx.filter_jit(case.call)
     with pytest.raises(eqx.EquinoxRuntimeError, match=re.escape(case.message)):
@@ -428,7 +526,7 @@ def _batch(name: str):
     return batch
 
 
-@pytest.mark.parametrize("name", list(_builders()))
+@pytest.mark.parametrize("name", rotation(list(_builders()), 0))
 def test_the_flashbax_layer_records_faults(name):
     make = _builders()[name]
     raising, buffer = make(True), make(False)
