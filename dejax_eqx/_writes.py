@@ -83,7 +83,8 @@ def _apply(
 ) -> Array:
     if op == "row":
         return jax.lax.dynamic_update_index_in_dim(x, values, index[0], 0)
-    ref = x.at[index if len(index) > 1 else index[0]]
+    (first, *more) = index
+    ref = x.at[(first, *more)] if more else x.at[first]
     if op == "set":
         return ref.set(values, mode=mode, unique_indices=unique)
     if op == "add":

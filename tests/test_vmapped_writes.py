@@ -129,6 +129,7 @@ def test_vmapped_add_writes_in_place_without_copies_or_lane_loops(name):
     num_leaves = len(jax.tree.leaves(buffers))
     step = jax.jit(jax.vmap(add), donate_argnums=0)
     hlo = step.lower(buffers, items).compile().as_text()
+    assert hlo is not None
 
     # In place: every leaf of the buffers is aliased to an output...
     assert set(range(num_leaves)) <= aliased_parameters(hlo)
