@@ -56,6 +56,7 @@ from ._storage import (
     write_batch,
 )
 from ._sum_tree import find_leaves, MAX_CAPACITY
+from ._writes import scatter
 
 
 _P = TypeVar("_P", bound="PrioritisedReplay")
@@ -272,7 +273,8 @@ class PrioritisedReplay(AbstractPrioritisedReplay, HasPriorities):
         # through a check could copy them.
         slots, masses, top = check_faults((slots, masses, top), faults)
         new = self.priorities.write(slots, masses, top, mask=mask, unique=True)
-        generations = self.generations.at[slots].add(1, mode="drop", unique_indices=True)
+        one = jnp.ones(slots.shape, self.generations.dtype)
+        generations = scatter(self.generations, slots, one, "add", unique=True)
         return eqx.tree_at(
             lambda r: (r.storage, r.priorities, r.generations), self, (storage, new, generations)
         )

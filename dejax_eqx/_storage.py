@@ -18,6 +18,7 @@ from ._checks import (
     spec_of,
 )
 from ._faults import check_faults, veto
+from ._writes import scatter
 
 
 _CB = TypeVar("_CB", bound="CircularBuffer")
@@ -241,7 +242,11 @@ def write(cb: _CB, item: PyTree[Array]) -> tuple[_CB, Int[Array, ""]]:
         cb, slots = _write_masked(cb, jax.tree.map(lambda x: x[None], item), jnp.ones(1, bool))
         return cb, slots[0]
     slot = cb.head
-    data = jax.tree.map(lambda x, y: x.at[slot].set(y), cb.data, item)
+    # Every storage write goes through `_writes.py`, whose `vmap`s merge into one batching
+    # dimension (issue 38: on jax 0.5.3 nested ones transposed the whole storage every step).
+    data = jax.tree.map(
+        lambda x, y: scatter(x, slot, y, mode="promise_in_bounds", unique=True), cb.data, item
+    )
     head = ring_add(slot, 1, cb.max_size)
     count = jnp.minimum(cb.count + 1, cb.max_size)
     return eqx.tree_at(lambda b: (b.data, b.head, b.count), cb, (data, head, count)), slot
@@ -267,7 +272,7 @@ def write_batch(
     every = ring_add(cb.head, jnp.asarray(np.arange(n) % m, dtype=jnp.int32), m)
     kept = every[n - k :]
     data = jax.tree.map(
-        lambda x, y: x.at[kept].set(y[n - k :], unique_indices=True, mode="promise_in_bounds"),
+        lambda x, y: scatter(x, kept, y[n - k :], mode="promise_in_bounds", unique=True),
         cb.data,
         items,
     )
@@ -295,7 +300,7 @@ def _write_masked(
     # lands at offset r mod m from head.
     survives = mask & (rank >= total - kept)
     slots = jnp.where(survives, ring_add(cb.head, rank % m, m), m)
-    data = jax.tree.map(lambda x, y: x.at[slots].set(y, mode="drop"), cb.data, items)
+    data = jax.tree.map(lambda x, y: scatter(x, slots, y), cb.data, items)
     head = ring_add(cb.head, total % m, m)
     count = jnp.minimum(cb.count, m - kept) + kept
     return eqx.tree_at(lambda b: (b.data, b.head, b.count), cb, (data, head, count)), slots

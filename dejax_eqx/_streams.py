@@ -8,7 +8,6 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jaxtyping import Array, ArrayLike, Bool, Int, Integer, PyTree, Shaped
 
 from ._checks import (
@@ -25,6 +24,7 @@ from ._checks import (
 )
 from ._faults import check_faults, Fault, veto, vetoing
 from ._storage import ring_add, ring_sub
+from ._writes import scatter_at, scatter_rows
 
 
 _S = TypeVar("_S", bound="Streams")
@@ -407,26 +407,22 @@ def append_steps(
     # Step t of the kept ones goes `length - kept + t` slots past the env's cursor.
     offsets = jnp.asarray(np.arange(length - kept, length) % m, jnp.int32)
     head = streams.head
+    # One scatter of every listed env's steps, through `_writes.py`, whose `vmap`s merge into
+    # one batching dimension. (It was a `vmap` of `dynamic_update_index_in_dim` over the envs:
+    # under a `vmap` over seeds jax 0.5.3 made that a scatter with two batching dimensions,
+    # the seeds' last, and PureJaxRL's DQN transposed its whole storage to and from that
+    # layout on every step, issue 38.) Without `env_ids` row e takes its steps at its own
+    # cursor, the env axis a batching dimension: sharded along it, every device writes its
+    # own envs' steps with no communication.
     if rows is None:
-        if kept == 1:
-            # Row e of every leaf takes step e at its own cursor: a vmapped one-step update,
-            # one scatter whose env axis is a batch axis. Sharded along that axis, every
-            # device writes its own envs' steps with no communication.
-            write = jax.vmap(lambda row, y, h: lax.dynamic_update_index_in_dim(row, y, h, 0))
-            last = ring_add(head, offsets[0], m)
-            data = jax.tree.map(lambda x, y: write(x, y[:, 0], last), streams.data, items)
-        else:
-            every = jnp.arange(streams.num_envs, dtype=jnp.int32)[:, None]
-            slots = ring_add(head[:, None], offsets[None, :], m)
-            data = jax.tree.map(
-                lambda x, y: x.at[every, slots].set(y, unique_indices=True), streams.data, items
-            )
+        slots = ring_add(head[:, None], offsets[None, :], m)
+        data = jax.tree.map(lambda x, y: scatter_rows(x, slots, y), streams.data, items)
         added = jnp.ones(streams.num_envs, jnp.bool_)
     else:
         cursors = jnp.take(head, rows, mode="fill", fill_value=0)
         slots = ring_add(cursors[:, None], offsets[None, :], m)
         data = jax.tree.map(
-            lambda x, y: x.at[rows[:, None], slots].set(y, mode="drop"), streams.data, items
+            lambda x, y: scatter_at(x, rows[:, None], slots, y), streams.data, items
         )
         added = count_ids(rows, streams.num_envs) > 0
     fits = added & (streams.step_count <= INT32_MAX - length)

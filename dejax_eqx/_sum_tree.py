@@ -16,6 +16,7 @@ from ._checks import (
     check_vector,
 )
 from ._faults import check_faults
+from ._writes import scatter
 
 
 _T = TypeVar("_T", bound="SumTree")
@@ -263,8 +264,9 @@ def set_leaves(
     if mask is not None:
         keep = keep & mask
     drop = jnp.where(keep, indices, num_nodes)  # num_nodes: out of range, dropped
+    # The writes go through `_writes.py`: one unbatched scatter under `vmap` (issue 38).
     if unique:
-        nodes = tree.nodes.at[drop].set(values, mode="drop")
+        nodes = scatter(tree.nodes, drop, values)
     elif n <= _exact_positions(tree.nodes.dtype):
         # Resolve duplicates with the leaves about to be overwritten as scratch space: a
         # scatter-min of -(position + 1) (exact in this float dtype, and below every leaf,
@@ -272,9 +274,9 @@ def set_leaves(
         # occurrence. A scatter-min is order-independent, so this is deterministic on
         # every backend, and several times faster than sorting the batch on CPU.
         marker = -1 - jnp.arange(n, dtype=tree.nodes.dtype)  # -(position + 1)
-        nodes = tree.nodes.at[drop].min(marker, mode="drop")
+        nodes = scatter(tree.nodes, drop, marker, "min")
         last = jnp.take(nodes, drop, mode="fill", fill_value=0) == marker
-        nodes = nodes.at[jnp.where(last, drop, num_nodes)].set(values, mode="drop")
+        nodes = scatter(nodes, jnp.where(last, drop, num_nodes), values)
     else:
         # Too many entries for exact positions: stable sort by index (dropped entries
         # last), then the last entry of each run of equal indices is the last occurrence.
@@ -282,7 +284,7 @@ def set_leaves(
         order = jnp.argsort(key, stable=True)
         indices, values = key[order], values[order]
         last = jnp.append(indices[1:] != indices[:-1], True) & (indices < cap)
-        nodes = tree.nodes.at[jnp.where(last, indices, num_nodes)].set(values, mode="drop")
+        nodes = scatter(tree.nodes, jnp.where(last, indices, num_nodes), values)
     if len(offsets) == 1:  # capacity 1: the leaf is the root
         return eqx.tree_at(lambda t: t.nodes, tree, nodes)
 
@@ -311,7 +313,7 @@ def _sum_level(
     offsets, _ = _layout(capacity)
     sums = jnp.sum(_children(nodes, capacity, lvl, node), axis=1)
     offset = offsets[lvl] if isinstance(lvl, int) else jnp.asarray(offsets, jnp.int32)[lvl]
-    return nodes.at[offset + node].set(sums, mode="promise_in_bounds"), node
+    return scatter(nodes, offset + node, sums, mode="promise_in_bounds"), node
 
 
 # The two loops over the small top of the tree are jitted functions of module level, with the

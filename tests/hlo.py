@@ -4,6 +4,8 @@ For the multi-device checks (`test_sharding.py`, `multi_process.py`)."""
 import re
 from typing import NamedTuple
 
+import numpy as np
+
 
 class Collective(NamedTuple):
     op: str  # "all-reduce", "all-gather", ... (an async "-start" form counts as its op)
@@ -76,3 +78,44 @@ def aliased_parameters(hlo: str) -> set[int]:
     match = re.search(r"input_output_alias=\{(.*?)\s\}", header)
     assert match is not None, header
     return {int(p) for p in re.findall(r"\((\d+), \{\}, (?:may|must)-alias\)", match[1])}
+
+
+class Loop(NamedTuple):
+    op_name: str  # the JAX operation it came from, e.g. ".../jit(add)/scatter"
+    source: str  # "file.py:line" of the Python line that made it ("" when not recorded)
+    trips: int | None  # XLA's known trip count, when it knows one
+
+
+_LOOP = re.compile(
+    r"\swhile\((?:.*?op_name=\"(?P<op>[^\"]*)\")?"
+    r"(?:.*?source_file=\"(?P<file>[^\"]*)\" source_line=(?P<line>\d+))?"
+    r"(?:.*?known_trip_count\":\{\"n\":\"(?P<n>\d+)\")?"
+)
+
+
+def loops(hlo: str) -> list[Loop]:
+    """Every `while` of a compiled HLO module, with the operation and the line it came from.
+    On jax 0.5.3 XLA:CPU rewrites every scatter into one (`op_name` ends in `scatter`)."""
+    found = []
+    for line in hlo.splitlines():
+        if (m := _LOOP.search(line)) and m["op"] is not None:
+            source = f"{m['file'].rsplit('/', 1)[-1]}:{m['line']}" if m["file"] else ""
+            found.append(Loop(m["op"], source, int(m["n"]) if m["n"] else None))
+    return found
+
+
+_SHAPE = re.compile(r"\b[a-z]+[0-9]*\[([0-9,]*)\]")
+
+
+def copies(hlo: str, min_elements: int) -> list[str]:
+    """The `copy` and `transpose` instructions whose result has at least `min_elements`
+    elements: with a threshold above every item and sample, the copies of whole storage."""
+    found = []
+    for line in hlo.splitlines():
+        m = _INSTRUCTION.match(line)
+        if m is None or m["op"] not in ("copy", "transpose"):
+            continue
+        for dims in _SHAPE.findall(m["type"]):
+            if dims and int(np.prod([int(d) for d in dims.split(",")])) >= min_elements:
+                found.append(line.strip())
+    return found
