@@ -158,9 +158,13 @@ BUFFERS: dict[str, Callable[[], tuple[Make, Step]]] = {
 }
 
 
-def _runs(name: str, steps: int) -> dict[str, tuple[Callable, Any]]:
+def _runs(name: str, steps: int, inside: bool = False) -> dict[str, tuple[Callable, Any]]:
     """`{"<name>": (call, state), "<name>, vmapped": (call, state)}` for `h.time_interleaved`:
-    `call(state, key)` runs `steps` steps of the scan, donating the state."""
+    `call(state, key)` runs `steps` steps of the scan, donating the state.
+
+    With `inside`, as PureJaxRL's `jit(vmap(train))`: the buffer is made and filled inside the
+    jitted function, which returns a scalar (the "state" timed is that scalar), and the rows
+    `"<name>, made inside[, vmapped], fill"` make and fill it alone, to be subtracted."""
     make, step = BUFFERS[name]()
 
     def run(state, items, key):
@@ -169,7 +173,7 @@ def _runs(name: str, steps: int) -> dict[str, tuple[Callable, Any]]:
             buf, value = step(buf, *x)
             return (buf, total + value), None
 
-        return jax.lax.scan(body, state, (jax.random.split(key, steps), items))[0]
+        return jax.lax.scan(body, state, (jax.random.split(key, items["done"].shape[0]), items))[0]
 
     def start(key):
         return make(key), jnp.zeros((), jnp.float32)
@@ -177,19 +181,43 @@ def _runs(name: str, steps: int) -> dict[str, tuple[Callable, Any]]:
     pool = jax.jit(lambda k: _items(k, steps * ADD))(jax.random.key(1))
     pool = jax.tree.map(lambda x: x.reshape(steps, ADD, *x.shape[1:]), pool)
     lanes = jax.tree.map(lambda x: jnp.stack([x] * LANES), pool)
+    keys = jax.random.split(jax.random.key(2), LANES)
+    if inside:
+
+        def train(items, key):
+            buf, total = run(start(key), items, key)
+            return total + jnp.sum(jax.tree.leaves(buf)[0].astype(jnp.float32))
+
+        def fill(items, key):
+            buf, total = start(key)
+            return total + jnp.sum(jax.tree.leaves(buf)[0].astype(jnp.float32))
+
+        calls = {}
+        for suffix, f in (("", train), (", fill", fill)):
+            one, batched = jax.jit(f), jax.jit(jax.vmap(f))
+            calls[f"{name}, made inside{suffix}"] = (
+                lambda s, k, one=one: one(pool, k),
+                jnp.zeros(()),
+            )
+            calls[f"{name}, made inside, vmapped{suffix}"] = (
+                lambda s, k, batched=batched: batched(lanes, jax.random.split(k, LANES)),
+                jnp.zeros(LANES),
+            )
+        return calls
     one = jax.jit(run, donate_argnums=0)
     batched = jax.jit(jax.vmap(run), donate_argnums=0)
     state = jax.jit(start)(jax.random.key(2))
-    states = jax.jit(jax.vmap(start))(jax.random.split(jax.random.key(2), LANES))
+    states = jax.jit(jax.vmap(start))(keys)
     return {
         name: (lambda s, k: one(s, pool, k), state),
         f"{name}, vmapped": (lambda s, k: batched(s, lanes, jax.random.split(k, LANES)), states),
     }
 
 
-def measure(names: list[str], steps: int, repeats: int) -> dict[str, float]:
+def measure(names: list[str], steps: int, repeats: int, inside: bool = False) -> dict[str, float]:
     """Median microseconds per scan step of every row; the flat buffers' rows in one
-    interleaved group, every other buffer's two rows in a group of their own."""
+    interleaved group, every other buffer's rows in a group of their own. With `inside`, the
+    rows of `_runs(..., inside=True)`, each less its fill's median."""
     groups: list[list[str]] = []
     flat = [n for n in names if n.startswith("flat")]
     groups += [[n] for n in names if n not in flat]
@@ -199,25 +227,28 @@ def measure(names: list[str], steps: int, repeats: int) -> dict[str, float]:
     for group in groups:
         runs: dict[str, tuple[Callable, Any]] = {}
         for name in group:
-            runs |= _runs(name, steps)
+            runs |= _runs(name, steps, inside)
         seconds = h.time_interleaved(runs, repeats)
         for row, values in seconds.items():
-            medians[row] = statistics.median(values) / steps * 1e6
+            if row.endswith(", fill"):
+                continue
+            fill = statistics.median(seconds[f"{row}, fill"]) if inside else 0.0
+            medians[row] = (statistics.median(values) - fill) / steps * 1e6
             print(f"  {row}: {medians[row]:.1f} µs/step", flush=True)
     return medians
 
 
-def table(medians: dict[str, float]) -> str:
+def table(medians: dict[str, float], suffix: str = "") -> str:
     lines = [
         f"| buffer | one buffer µs/step | {LANES} vmapped µs/step | vmapped / one |"
         " vmapped / flashbax's vmapped |",
         "|---|---:|---:|---:|---:|",
     ]
     for name in BUFFERS:
-        if name not in medians:
+        if name + suffix not in medians:
             continue
-        one, vm = medians[name], medians[f"{name}, vmapped"]
-        theirs = medians.get("flat (flashbax), vmapped")
+        one, vm = medians[name + suffix], medians[f"{name}{suffix}, vmapped"]
+        theirs = medians.get(f"flat (flashbax){suffix}, vmapped")
         versus = f"{vm / theirs:.2f}x" if name == "flat (drop-in)" and theirs else ""
         lines.append(f"| {name} | {one:.1f} | {vm:.1f} | {vm / one:.2f}x | {versus} |")
     return "\n".join(lines)
@@ -229,8 +260,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--only", nargs="*", choices=list(BUFFERS))
+    parser.add_argument(
+        "--inside",
+        action="store_true",
+        help="the buffers made inside the jitted function, as PureJaxRL's (1,000 steps a call)",
+    )
     args = parser.parse_args(argv)
     steps, repeats = (5, 1) if args.quick else (args.steps, args.repeats)
+    if args.inside and not args.quick:
+        steps = max(steps, 1000)  # the fill, subtracted, is then a small part of a call
     names = list(args.only or BUFFERS)
     if "flat (flashbax)" in names and importlib.util.find_spec("flashbax") is None:
         names.remove("flat (flashbax)")  # the drop-in runs alone
@@ -242,9 +280,16 @@ def main(argv: list[str] | None = None) -> None:
         flush=True,
     )
     medians = measure(names, steps, repeats)
+    if args.inside or args.quick:
+        medians |= measure(names, steps, repeats, inside=True)
     print(f"load after: {h.load_average()}")
     print()
     print(table(medians))
+    if args.inside or args.quick:
+        print()
+        print("Made inside the jitted function (each row less its fill):")
+        print()
+        print(table(medians, ", made inside"))
 
 
 if __name__ == "__main__":

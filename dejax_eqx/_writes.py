@@ -10,8 +10,10 @@ scatter with two, the seeds' placed last, and XLA transposed the whole storage t
 and back on every step (4 `copy`/`transpose` fusions of `[3, 10, 1000, ...]` per add). Here a
 `jax.custom_batching.custom_vmap` rule merges the new lanes into the leading axis instead (a
 bitcast), and calls a function with the same rule, so however many `vmap`s wrap a write its
-scatter has a single, leading batching dimension: what one `vmap` gave before, which XLA
-partitions along a sharded lane axis without communication, and which needs no transpose.
+scatter has a single, leading batching dimension, which XLA partitions along a sharded lane
+axis without communication. (Under one `vmap` this differs from JAX's own rule too: a replay
+made inside `jit(vmap(...))` had its storage transposed around the write on jax 0.5.3, and
+has not since.)
 
 On jax 0.5.3 XLA:CPU rewrites every scatter, vmapped or not, into a `while` loop of one row per
 iteration, in place; that is what the unvmapped adds have always compiled to there. See

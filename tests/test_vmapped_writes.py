@@ -25,6 +25,12 @@ from .hlo import aliased_parameters, copies, loops
 
 
 LANES = 3
+# The tests' XLA flags (conftest.py) turn XLA:CPU's fusion emitters off to compile faster; with
+# them off, jax 0.5.3 compiled the old writes of the training loop below without the copies
+# users got. These programs are compiled as users compile them. (jax 0.11 has no such flag.)
+USERS_XLA: dict[str, Any] = (
+    {"xla_cpu_use_fusion_emitters": True} if jax.__version_info__ < (0, 11) else {}
+)
 M = 1000  # slots of a replay, steps of a stream: above every item, sample and batch
 ENVS, N, T = 4, 5, 3  # envs of a stream; items of an add_batch; steps of an extend
 
@@ -128,7 +134,7 @@ def test_vmapped_add_writes_in_place_without_copies_or_lane_loops(name):
     buffers = jax.vmap(lambda _: make())(jnp.arange(LANES))
     num_leaves = len(jax.tree.leaves(buffers))
     step = jax.jit(jax.vmap(add), donate_argnums=0)
-    hlo = step.lower(buffers, items).compile().as_text()
+    hlo = step.lower(buffers, items).compile(USERS_XLA).as_text()
     assert hlo is not None
 
     # In place: every leaf of the buffers is aliased to an output...
@@ -188,3 +194,59 @@ def test_nested_vmaps_and_unbatched_operands_write_the_same_as_a_loop():
                 got = jax.tree.map(lambda x: x[i, j], buffers)
                 for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected[i][j])):
                     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _flat_buffer():
+    return fbx.make_flat_buffer(M * ENVS, 2, 8, add_batch_size=ENVS)
+
+
+# name: (make one buffer, add, sample one scalar from the buffer, items of one add)
+TRAINING: dict[str, tuple[Callable[[], Any], Callable, Callable, Any]] = {
+    "flashbax drop-in make_flat_buffer": (
+        lambda: _flat_buffer().init(ITEM),
+        lambda s, x: _flat_buffer().add(s, x),
+        lambda s, k: jnp.sum(_flat_buffer().sample(s, k).experience.first["obs"]),
+        (ENVS,),
+    ),
+    "UniformReplay": (
+        lambda: dx.UniformReplay(ITEM, M),
+        lambda b, x: b.add_batch(x),
+        lambda b, k: jnp.sum(b.sample(k, 8)["obs"]),
+        (N,),
+    ),
+    "TrajectoryBuffer": (
+        lambda: dx.TrajectoryBuffer(ITEM, ENVS, M),
+        lambda b, x: b.add(x),
+        lambda b, k: jnp.sum(b.sample(k, 8, dx.Window(2)).items["obs"]),
+        (ENVS,),
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [n if n.startswith("flashbax") else pytest.param(n, marks=pytest.mark.slow) for n in TRAINING],
+)
+def test_vmapped_training_loop_never_copies_its_storage(name):
+    # PureJaxRL's shape: `jit(vmap(train))` over seeds, the buffer made inside `train` and
+    # carried through a `scan` of adds and samples. Before the writes went through
+    # `_writes.py`, jax 0.5.3 compiled the flat buffer's loop with 14 copies and transposes of
+    # its storage (to and from the lanes-last layout of a scatter with two batching
+    # dimensions), on every step.
+    make, add, sample, shape = TRAINING[name]
+
+    def train(key):
+        def step(carry, key):
+            buf, total = carry
+            new = jax.tree.map(
+                lambda x: jax.random.normal(key, shape + x.shape).astype(x.dtype), ITEM
+            )
+            buf = add(buf, new)
+            return (buf, total + sample(buf, key)), None
+
+        return jax.lax.scan(step, (make(), jnp.zeros(())), jax.random.split(key, 5))[0]
+
+    keys = jax.random.split(jax.random.key(0), LANES)
+    hlo = jax.jit(jax.vmap(train)).lower(keys).compile(USERS_XLA).as_text()
+    assert hlo is not None
+    assert copies(hlo, M * LANES) == [], copies(hlo, M * LANES)[:3]
