@@ -397,10 +397,12 @@ def append_steps(
     new streams and which envs took the steps. An env past `2**31 - 1 - length` steps keeps its
     count (the caller reports it)."""
     m = streams.max_length
+    # A faulty recording call (`_faults.vetoing`): no env takes a step. A listed env's row
+    # becomes `num_envs` (dropped); without `env_ids` the slots are written back with what
+    # they hold, so that the write keeps its form (one row scatter per env, in place).
     vetoed = veto()
-    if vetoed is not None:  # a faulty recording call: no env takes a step (`_faults.vetoing`)
-        every = jnp.arange(streams.num_envs, dtype=jnp.int32)
-        rows = jnp.where(vetoed, streams.num_envs, every if rows is None else rows)
+    if vetoed is not None and rows is not None:
+        rows = jnp.where(vetoed, streams.num_envs, rows)
     if length > m:  # only the last m steps of each env survive, as after `length` appends
         items = jax.tree.map(lambda x: x[:, length - m :], items)
     kept = min(length, m)
@@ -416,8 +418,13 @@ def append_steps(
     # own envs' steps with no communication.
     if rows is None:
         slots = ring_add(head[:, None], offsets[None, :], m)
+        if vetoed is not None:
+            every = jnp.arange(streams.num_envs, dtype=jnp.int32)[:, None]
+            items = jax.tree.map(
+                lambda x, y: jnp.where(vetoed, x[every, slots], y), streams.data, items
+            )
         data = jax.tree.map(lambda x, y: scatter_rows(x, slots, y), streams.data, items)
-        added = jnp.ones(streams.num_envs, jnp.bool_)
+        added = jnp.full(streams.num_envs, True if vetoed is None else ~vetoed)
     else:
         cursors = jnp.take(head, rows, mode="fill", fill_value=0)
         slots = ring_add(cursors[:, None], offsets[None, :], m)
