@@ -31,6 +31,142 @@ _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 
+# Each kind of fault and its text (`…` where a message says more), in the order of `RESULTS`.
+_TEXTS: dict[str, str] = {
+    "successful": "",
+    # Nothing to draw or read.
+    "empty": "cannot sample from an empty …",
+    "pop_empty": "cannot pop from an empty CircularBuffer",
+    "zero_priority": "every stored … has priority 0; none can be drawn",
+    "no_window": "no env's … window has an admissible start; a start needs …",
+    "no_transition": (
+        "no env's … window holds n + 1 = … steps yet; a transition needs its n steps and the "
+        "step after them"
+    ),
+    "no_prioritised_window": (
+        "no window is admissible yet: no env holds … steps from a start on a multiple of period = …"
+    ),
+    "too_old": (
+        "every … that could be drawn is older than `max_age` (its age, `current` minus its "
+        "policy version, is above `max_age`); no … can be drawn"
+    ),
+    "no_cluster_item": (
+        "no cluster holds an item that can be drawn (every stored item has priority 0, or is "
+        "older than `max_age`)"
+    ),
+    "nothing_to_peek": "an env has no stored step yet; there is nothing to peek at",
+    "queue_short": "an env holds fewer than …; pop once `can_pop(sequence_length)` holds",
+    # Names that name nothing.
+    "index_out_of_range": "index out of range; … must satisfy 0 <= index < …",
+    "index_names_no_item": (
+        "an index names no item of any shard (a global index is shard · … + the index within "
+        "the shard, below max_size = …)"
+    ),
+    "env_id_out_of_range": (
+        "an env id is out of range; env ids must satisfy 0 <= env_id < num_envs = …"
+    ),
+    "env_id_outside": "an env id is outside [0, num_envs) = [0, …)",
+    "env_id_repeated": "an env id occurs more than once; each call adds to each env at most once",
+    "env_id_other_shard": (
+        "rows of block s of `env_ids` must name envs of shard s (s · … <= env id < (s + 1) · …);"
+        " a process adds only to its own envs"
+    ),
+    "cluster_id_out_of_range": "a cluster id is outside [0, num_clusters) = [0, …)",
+    "cluster_fn_out_of_range": (
+        "`cluster_fn` returned a cluster id outside [0, num_clusters) = [0, …)"
+    ),
+    "start_not_taken": (
+        "a start is not a step of its env (negative, or not yet taken); stamps must come from "
+        "this buffer"
+    ),
+    "stamp_not_given": (
+        "a stamp this buffer cannot have given: its start is not on a multiple of period = …, "
+        "or its window of … steps has not been stored yet"
+    ),
+    "stale_window": (
+        "a window is stale (its first step has been overwritten); read only the windows "
+        "`stale` says are not"
+    ),
+    # Values out of their range.
+    "bad_priority": "priorities must be finite and non-negative",
+    "bad_value": "values must be finite and non-negative",
+    "bad_mass": "masses must be finite and non-negative",
+    "mass_not_finite": (
+        "the total priority mass sum(priority ** priority_exponent) is not finite in the "
+        "tree's dtype"
+    ),
+    "bad_max_priority": "`max_priority` must be finite and at least 1",
+    "bad_beta": "`beta` must be finite and non-negative",
+    "bad_discount": "`discount` must be in [0, 1]",
+    "bad_distribution_power": "`distribution_power` must be finite",
+    "bad_size": "`size` must be positive",
+    "bad_probability": "probabilities must be positive",
+    "float_too_large": (
+        "`…` holds a finite value too large for …, the dtype it is used in (it would become inf)"
+    ),
+    "version_ahead": (
+        "a stored … has a policy version greater than `current` (or negative); every stored "
+        "version must be in [0, current]"
+    ),
+    "bad_policy_count": "must be in [0, 2**31 - 1]",
+    "step_count_overflow": (
+        "an env would pass 2**31 - 1 steps, the most its int32 step count holds; the step "
+        "numbers that align periods and stamp samples would wrap"
+    ),
+    "queue_full": (
+        "an env's queue has no room for …; the add would overwrite unread ones (max_length = …)."
+        " Pop first, or check `can_add`"
+    ),
+    "restore_ends": "`ends` must be in [0, 2**31 - 1]",
+    "restore_lengths": "`lengths` must be in [0, max_length = …]",
+    "restore_lengths_exceed_ends": "`lengths` exceed `ends`",
+    # The rate law.
+    "insert_not_allowed": (
+        "the rate limit does not allow this insert now (…): the learner is behind. Call "
+        "`can_insert` first, and insert when it is True"
+    ),
+    "sample_not_allowed": (
+        "the rate limit does not allow this sample now (samples_per_insert = …, "
+        "min_size_to_sample = …, min_diff = …): fewer than min_size_to_sample items are in, or "
+        "the actors are behind. Call `can_sample` (or `sample_budget`) first, and sample when "
+        "it allows"
+    ),
+    "insert_too_large": (
+        "`n` must be in [0, insert_batch_size = …]; a larger insert could deadlock the limiter "
+        "(its deadlock check holds for inserts of at most … items)"
+    ),
+    "sample_too_large": (
+        "`n` must be in [0, sample_batch_size = …]; a larger sample could deadlock the limiter "
+        "(its deadlock check holds for samples of at most … rows)"
+    ),
+    "rate_counters_overflow": (
+        "the limiter's counters would leave their range (counts below 2**63, the scaled "
+        "balance within ±2**62); a bound (`min_diff`, `max_diff`) that holds the balance "
+        "keeps it there"
+    ),
+    # The flashbax layer's own.
+    "flashbax_no_window": (
+        "an index names no window: indices must be sum-tree leaves in [0, …) whose window has "
+        "been stored, as `sample` returns them"
+    ),
+    "flashbax_depth_level": "depth_level must be in [0, …] (the root is 0)",
+    "flashbax_node_index": "node_index must be in [0, 2**depth_level): level d holds 2**d nodes",
+    "flashbax_empty_tree": (
+        "every leaf is 0 (nothing stored yet, or every priority 0), so no leaf …"
+    ),
+    "flashbax_query_value": "query_value must be in [0, 1] (a fraction of the total), not NaN",
+    "flashbax_sequence_length": (
+        "sample_sequence_length = …, but this state already holds steps added with "
+        "sample_sequence_length = …; the windows a state prioritises have one length, fixed by "
+        "its first add. Use the same sample_sequence_length for every add and sample of a state"
+    ),
+    "flashbax_too_few_steps": (
+        "the buffer holds fewer than sequence_length = … steps per row; sample once "
+        "`can_sample` holds"
+    ),
+}
+
+
 class RESULTS(eqx.Enumeration):
     """What a call of a buffer built with `throw=False` reports: `successful`, or the kind
     of fault that `throw=True` would have raised, one item per kind. Each item's message is
@@ -40,135 +176,58 @@ class RESULTS(eqx.Enumeration):
     Compare a result's `kind` with an item: `buf.result.kind == dx.RESULTS.empty`.
     """
 
-    successful = ""
-    # Nothing to draw or read.
-    empty = "cannot sample from an empty …"
-    pop_empty = "cannot pop from an empty CircularBuffer"
-    zero_priority = "every stored … has priority 0; none can be drawn"
-    no_window = "no env's … window has an admissible start; a start needs …"
-    no_transition = (
-        "no env's … window holds n + 1 = … steps yet; a transition needs its n steps and the "
-        "step after them"
-    )
-    no_prioritised_window = (
-        "no window is admissible yet: no env holds … steps from a start on a multiple of period = …"
-    )
-    too_old = (
-        "every … that could be drawn is older than `max_age` (its age, `current` minus its "
-        "policy version, is above `max_age`); no … can be drawn"
-    )
-    no_cluster_item = (
-        "no cluster holds an item that can be drawn (every stored item has priority 0, or is "
-        "older than `max_age`)"
-    )
-    nothing_to_peek = "an env has no stored step yet; there is nothing to peek at"
-    queue_short = "an env holds fewer than …; pop once `can_pop(sequence_length)` holds"
-    # Names that name nothing.
-    index_out_of_range = "index out of range; … must satisfy 0 <= index < …"
-    index_names_no_item = (
-        "an index names no item of any shard (a global index is shard · … + the index within "
-        "the shard, below max_size = …)"
-    )
-    env_id_out_of_range = (
-        "an env id is out of range; env ids must satisfy 0 <= env_id < num_envs = …"
-    )
-    env_id_outside = "an env id is outside [0, num_envs) = [0, …)"
-    env_id_repeated = "an env id occurs more than once; each call adds to each env at most once"
-    env_id_other_shard = (
-        "rows of block s of `env_ids` must name envs of shard s (s · … <= env id < (s + 1) · …);"
-        " a process adds only to its own envs"
-    )
-    cluster_id_out_of_range = "a cluster id is outside [0, num_clusters) = [0, …)"
-    cluster_fn_out_of_range = (
-        "`cluster_fn` returned a cluster id outside [0, num_clusters) = [0, …)"
-    )
-    start_not_taken = (
-        "a start is not a step of its env (negative, or not yet taken); stamps must come from "
-        "this buffer"
-    )
-    stamp_not_given = (
-        "a stamp this buffer cannot have given: its start is not on a multiple of period = …, "
-        "or its window of … steps has not been stored yet"
-    )
-    stale_window = (
-        "a window is stale (its first step has been overwritten); read only the windows "
-        "`stale` says are not"
-    )
-    # Values out of their range.
-    bad_priority = "priorities must be finite and non-negative"
-    bad_value = "values must be finite and non-negative"
-    bad_mass = "masses must be finite and non-negative"
-    mass_not_finite = (
-        "the total priority mass sum(priority ** priority_exponent) is not finite in the "
-        "tree's dtype"
-    )
-    bad_max_priority = "`max_priority` must be finite and at least 1"
-    bad_beta = "`beta` must be finite and non-negative"
-    bad_discount = "`discount` must be in [0, 1]"
-    bad_distribution_power = "`distribution_power` must be finite"
-    bad_size = "`size` must be positive"
-    bad_probability = "probabilities must be positive"
-    float_too_large = (
-        "`…` holds a finite value too large for …, the dtype it is used in (it would become inf)"
-    )
-    version_ahead = (
-        "a stored … has a policy version greater than `current` (or negative); every stored "
-        "version must be in [0, current]"
-    )
-    bad_policy_count = "must be in [0, 2**31 - 1]"
-    step_count_overflow = (
-        "an env would pass 2**31 - 1 steps, the most its int32 step count holds; the step "
-        "numbers that align periods and stamp samples would wrap"
-    )
-    queue_full = (
-        "an env's queue has no room for …; the add would overwrite unread ones (max_length = …)."
-        " Pop first, or check `can_add`"
-    )
-    restore_ends = "`ends` must be in [0, 2**31 - 1]"
-    restore_lengths = "`lengths` must be in [0, max_length = …]"
-    restore_lengths_exceed_ends = "`lengths` exceed `ends`"
-    # The rate law.
-    insert_not_allowed = (
-        "the rate limit does not allow this insert now (…): the learner is behind. Call "
-        "`can_insert` first, and insert when it is True"
-    )
-    sample_not_allowed = (
-        "the rate limit does not allow this sample now (samples_per_insert = …, "
-        "min_size_to_sample = …, min_diff = …): fewer than min_size_to_sample items are in, or "
-        "the actors are behind. Call `can_sample` (or `sample_budget`) first, and sample when "
-        "it allows"
-    )
-    insert_too_large = (
-        "`n` must be in [0, insert_batch_size = …]; a larger insert could deadlock the limiter "
-        "(its deadlock check holds for inserts of at most … items)"
-    )
-    sample_too_large = (
-        "`n` must be in [0, sample_batch_size = …]; a larger sample could deadlock the limiter "
-        "(its deadlock check holds for samples of at most … rows)"
-    )
-    rate_counters_overflow = (
-        "the limiter's counters would leave their range (counts below 2**63, the scaled "
-        "balance within ±2**62); a bound (`min_diff`, `max_diff`) that holds the balance "
-        "keeps it there"
-    )
-    # The flashbax layer's own.
-    flashbax_no_window = (
-        "an index names no window: indices must be sum-tree leaves in [0, …) whose window has "
-        "been stored, as `sample` returns them"
-    )
-    flashbax_depth_level = "depth_level must be in [0, …] (the root is 0)"
-    flashbax_node_index = "node_index must be in [0, 2**depth_level): level d holds 2**d nodes"
-    flashbax_empty_tree = "every leaf is 0 (nothing stored yet, or every priority 0), so no leaf …"
-    flashbax_query_value = "query_value must be in [0, 1] (a fraction of the total), not NaN"
-    flashbax_sequence_length = (
-        "sample_sequence_length = …, but this state already holds steps added with "
-        "sample_sequence_length = …; the windows a state prioritises have one length, fixed by "
-        "its first add. Use the same sample_sequence_length for every add and sample of a state"
-    )
-    flashbax_too_few_steps = (
-        "the buffer holds fewer than sequence_length = … steps per row; sample once "
-        "`can_sample` holds"
-    )
+    successful = _TEXTS["successful"]
+    empty = _TEXTS["empty"]
+    pop_empty = _TEXTS["pop_empty"]
+    zero_priority = _TEXTS["zero_priority"]
+    no_window = _TEXTS["no_window"]
+    no_transition = _TEXTS["no_transition"]
+    no_prioritised_window = _TEXTS["no_prioritised_window"]
+    too_old = _TEXTS["too_old"]
+    no_cluster_item = _TEXTS["no_cluster_item"]
+    nothing_to_peek = _TEXTS["nothing_to_peek"]
+    queue_short = _TEXTS["queue_short"]
+    index_out_of_range = _TEXTS["index_out_of_range"]
+    index_names_no_item = _TEXTS["index_names_no_item"]
+    env_id_out_of_range = _TEXTS["env_id_out_of_range"]
+    env_id_outside = _TEXTS["env_id_outside"]
+    env_id_repeated = _TEXTS["env_id_repeated"]
+    env_id_other_shard = _TEXTS["env_id_other_shard"]
+    cluster_id_out_of_range = _TEXTS["cluster_id_out_of_range"]
+    cluster_fn_out_of_range = _TEXTS["cluster_fn_out_of_range"]
+    start_not_taken = _TEXTS["start_not_taken"]
+    stamp_not_given = _TEXTS["stamp_not_given"]
+    stale_window = _TEXTS["stale_window"]
+    bad_priority = _TEXTS["bad_priority"]
+    bad_value = _TEXTS["bad_value"]
+    bad_mass = _TEXTS["bad_mass"]
+    mass_not_finite = _TEXTS["mass_not_finite"]
+    bad_max_priority = _TEXTS["bad_max_priority"]
+    bad_beta = _TEXTS["bad_beta"]
+    bad_discount = _TEXTS["bad_discount"]
+    bad_distribution_power = _TEXTS["bad_distribution_power"]
+    bad_size = _TEXTS["bad_size"]
+    bad_probability = _TEXTS["bad_probability"]
+    float_too_large = _TEXTS["float_too_large"]
+    version_ahead = _TEXTS["version_ahead"]
+    bad_policy_count = _TEXTS["bad_policy_count"]
+    step_count_overflow = _TEXTS["step_count_overflow"]
+    queue_full = _TEXTS["queue_full"]
+    restore_ends = _TEXTS["restore_ends"]
+    restore_lengths = _TEXTS["restore_lengths"]
+    restore_lengths_exceed_ends = _TEXTS["restore_lengths_exceed_ends"]
+    insert_not_allowed = _TEXTS["insert_not_allowed"]
+    sample_not_allowed = _TEXTS["sample_not_allowed"]
+    insert_too_large = _TEXTS["insert_too_large"]
+    sample_too_large = _TEXTS["sample_too_large"]
+    rate_counters_overflow = _TEXTS["rate_counters_overflow"]
+    flashbax_no_window = _TEXTS["flashbax_no_window"]
+    flashbax_depth_level = _TEXTS["flashbax_depth_level"]
+    flashbax_node_index = _TEXTS["flashbax_node_index"]
+    flashbax_empty_tree = _TEXTS["flashbax_empty_tree"]
+    flashbax_query_value = _TEXTS["flashbax_query_value"]
+    flashbax_sequence_length = _TEXTS["flashbax_sequence_length"]
+    flashbax_too_few_steps = _TEXTS["flashbax_too_few_steps"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,14 +244,11 @@ def _pattern(text: str) -> re.Pattern[str]:
 
 
 # The kinds, most specific first (the most literal text): a message is of the first that
-# matches it whole.
+# matches it whole. An item's value is its position in `_TEXTS` (the class is written in that
+# order; a test holds it).
 _KINDS: list[tuple[int, re.Pattern[str]]] = sorted(
-    (
-        (i, _pattern(RESULTS[item]))
-        for i, item in enumerate(getattr(RESULTS, name) for name in RESULTS._name_to_item)
-        if i > 0
-    ),
-    key=lambda kind: -len(RESULTS._index_to_message[kind[0]].replace("…", "")),
+    ((i, _pattern(text)) for i, text in enumerate(_TEXTS.values()) if i > 0),
+    key=lambda kind: -len(list(_TEXTS.values())[kind[0]].replace("…", "")),
 )
 
 # Every message a code was made for in this process, by code (a list: two messages that
@@ -228,7 +284,7 @@ def _message(code: int) -> str:
     known = _MESSAGES.get(code)
     if not known:
         kind = code >> _KIND_BITS
-        text = RESULTS._index_to_message[kind] if 0 < kind < len(RESULTS) else "unknown"
+        text = list(_TEXTS.values())[kind] if 0 < kind < len(_TEXTS) else "unknown"
         return (
             f"a fault of kind `{text}` (code {code}), whose full message was made in another "
             "process or program"

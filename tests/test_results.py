@@ -480,7 +480,7 @@ def test_every_message_of_the_catalogue_has_one_kind():
 
     sys.path.insert(0, str(Path(__file__).parent.parent / "docs" / "_ext"))
     import messages  # pyright: ignore[reportMissingImports]
-    from dejax_eqx._results import kind_of
+    from dejax_eqx._results import _TEXTS, kind_of
 
     found = set()
     for message in messages.messages():
@@ -489,6 +489,10 @@ def test_every_message_of_the_catalogue_has_one_kind():
         example = message.text.replace("…", "7")
         found.add(kind_of(example))  # raises for a message of no kind
     assert found == set(range(1, len(dx.RESULTS))), "an item of RESULTS no message has"
+    # The codes' kinds are the items' values: the class is written in the table's order.
+    for index, (name, text) in enumerate(_TEXTS.items()):
+        item = getattr(dx.RESULTS, name)
+        assert dx.RESULTS[item] == text and (item == dx.Result(jnp.asarray(index << 24)).kind)
 
 
 # The flashbax layer's builders take `throw` too.
