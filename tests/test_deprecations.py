@@ -56,7 +56,7 @@ FORMS = {
 def _deprecating_bullets() -> list[str]:
     """The bullets of CHANGELOG.md that mark something *deprecated*."""
     text = (ROOT / "CHANGELOG.md").read_text()
-    bullets = re.split(r"\n(?=- )", text)
+    bullets = re.split(r"\n(?=- |#)", text)  # a bullet ends at the next one, or a heading
     return [b for b in bullets if b.startswith("- ") and "*deprecated*" in b]
 
 
