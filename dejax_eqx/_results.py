@@ -365,9 +365,11 @@ def result_of(faults: Sequence[tuple[ArrayLike, str]]) -> Result:
             if bool(pred):
                 raise eqx.EquinoxRuntimeError(_message(code))
         return Result.successful()
-    held = jnp.stack(preds)
-    first = jnp.argmax(held)
-    code = jnp.where(jnp.any(held), jnp.asarray(codes, jnp.int32)[first], 0)
+    # The first that holds: a chain of selects from the last fault back (scalars only; no
+    # argmax or gather).
+    code = jnp.zeros(jnp.shape(preds[0]), jnp.int32)
+    for pred, value in reversed(list(zip(preds, codes))):
+        code = jnp.where(pred, jnp.int32(value), code)
     return Result(code)
 
 
