@@ -18,7 +18,7 @@ from jaxtyping import (
     UInt32,
 )
 
-from ._checks import check_positive_int
+from ._checks import check_bool, check_positive_int
 from ._faults import check_faults, Fault
 from ._laws import AbstractLaw, draw_from, sample_with, split_union
 from ._nstep import NStep
@@ -92,9 +92,7 @@ class AbstractBuffer(eqx.Module):
         that becomes `throw=False` starts with no fault; one that becomes `throw=True` drops
         the fault it held (check it first). A buffer type of your own without a `result`
         field only raises."""
-        if not isinstance(throw, bool):
-            raise TypeError(f"`{type(self).__name__}.with_throw(throw=...)` must be a bool.")
-        if throw == self.throw:
+        if check_bool(throw, f"{type(self).__name__}.with_throw(throw=...)") == self.throw:
             return self
         if not hasattr(self, "result"):
             raise TypeError(

@@ -264,8 +264,7 @@ def importance_weights(
         assert jnp.allclose(w, jnp.array([1.0, 0.25]))
         ```
     """
-    if not isinstance(throw, bool):
-        raise TypeError(f"`importance_weights(throw=...)` must be a bool, got {throw!r}.")
+    throw = check_bool(throw, "importance_weights(throw=...)")
     out, faults = recording(lambda: _weights(probabilities, size, beta), record=not throw)
     return out if faults is None else (out, result_of(faults))
 

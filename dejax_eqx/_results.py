@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Int
 
+from ._checks import check_bool
 from ._faults import is_concrete, recording
 
 
@@ -417,9 +418,7 @@ def _holds_result(x: Any) -> bool:
 
 def initial_result(throw: Any, call: str) -> Result | None:
     """A constructor's `result` field for its `throw` argument (checked: a Python bool)."""
-    if not isinstance(throw, bool):
-        raise TypeError(f"`{call}` must be a bool, got {throw!r}.")
-    return None if throw else Result.successful()
+    return None if check_bool(throw, call) else Result.successful()
 
 
 def inherited_result(throw: Any, inner: Any, call: str) -> Result | None:
@@ -450,11 +449,3 @@ def check_results(tree: Any, call: str) -> None:
     for leaf in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, Result)):
         if isinstance(leaf, Result):
             check_result(leaf, call)
-
-
-def all_lanes(result: Result) -> Result:
-    """The first fault of any lane, as one scalar result (for a layer that vectorises
-    buffers and keeps one result for all of them)."""
-    code = result.code.reshape(-1)
-    faulty = code != 0
-    return Result(jnp.where(jnp.any(faulty), code[jnp.argmax(faulty)], 0))

@@ -9,6 +9,7 @@ doors, under the names they have in the package. A layer over dejax_eqx imports 
 
 from .._checks import (
     as_float as as_float,
+    check_bool as check_bool,
     check_finite_float as check_finite_float,
     check_index as check_index,
     check_items as check_items,

@@ -17,7 +17,7 @@ import jax
 from jaxtyping import Array, Bool, Int, PyTree
 
 from ... import AbstractTrajectoryBuffer, Result, TrajectoryBuffer
-from ...internal import check_sequences, recording, result_of
+from ...internal import check_bool, check_sequences, recording, result_of
 
 
 # flashbax's type variable for the experience a buffer holds (one step: any pytree); its states
@@ -122,9 +122,7 @@ def with_throw(buffer: _C, throw: Any, call: str) -> _C:
     kept as the state's `module.result` (the first fault of the calls that returned the
     state) and as the `result` of what `sample` returns: no conditional and no callback is
     compiled. `state.module.check()` and `sample.result.check()` raise them on the host."""
-    if not isinstance(throw, bool):
-        raise TypeError(f"`{call}(throw=...)` must be a bool, got {throw!r}.")
-    if throw:
+    if check_bool(throw, f"{call}(throw=...)"):
         return buffer
     changes: dict[str, Any] = {"init": _init_recording(buffer.init)}  # pyright: ignore
     for name in ("add", "sample", "sample_n", "set_priorities"):
