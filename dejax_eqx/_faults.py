@@ -55,6 +55,20 @@ def _call_site() -> str | None:
     return None
 
 
+# What precedes the call site a traced fault's message ends with.
+SITE = "\n  (called at "
+
+
+def _sited(messages: list[str], site: str | None) -> list[str]:
+    """`messages`, each ending with the call site `site` (`(called at FILE:LINE in FUNCTION)`),
+    but for one that already names its site: a fault recorded inside a call and checked again
+    by an enclosing one (`collect_faults`, a `shard_map` that brings faults out) keeps the one
+    site it was recorded with."""
+    if site is None:
+        return messages
+    return [m if SITE in m else f"{m}{SITE}{site})" for m in messages]
+
+
 def _poison(x: Array) -> Array:
     """What `EQX_ON_ERROR=nan` makes of a faulty output `x`."""
     if jnp.issubdtype(x.dtype, jnp.inexact):
@@ -204,9 +218,8 @@ def check_faults(
     if is_recording():
         preds = [jnp.any(jnp.asarray(pred)) for pred, _ in faults]
         messages = [msg for _, msg in faults]
-        site = None if all(is_concrete(p) for p in preds) else _call_site()
-        if site is not None:  # which call it was, as a raised fault says it
-            messages = [f"{msg}\n  (called at {site})" for msg in messages]
+        # Which call it was, as a raised fault says it.
+        messages = _sited(messages, None if all(is_concrete(p) for p in preds) else _call_site())
         _collectors()[-1].extend(zip(preds, messages))
         if safe is None:
             return x
@@ -236,9 +249,7 @@ def check_faults(
     # the failing call inside the user's function. It also keys Equinox's cache of traced checks
     # by call site, whose "stack inside JIT" would otherwise be that of the first call with the
     # same messages and shapes.
-    site = _call_site()
-    if site is not None:
-        messages = [f"{msg}\n  (called at {site})" for msg in messages]
+    messages = _sited(messages, _call_site())
     pred = jnp.stack(preds)
     # argmax of booleans: the first fault that holds, and 0 (the smallest, which loses to any
     # faulty lane under vmap's maximum) where none does. With one fault the index is a Python

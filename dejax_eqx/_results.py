@@ -25,7 +25,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Int
 
 from ._checks import check_bool
-from ._faults import is_concrete, recording
+from ._faults import is_concrete, recording, SITE
 
 
 _P = ParamSpec("_P")
@@ -237,7 +237,6 @@ class RESULTS(eqx.Enumeration):
 _KIND_BITS = 24
 _HASH_MASK = (1 << _KIND_BITS) - 1
 _CALL = re.compile(r"`[^`\n]*`:? ?")
-_SITE = "\n  (called at "
 
 
 def _pattern(text: str) -> re.Pattern[str]:
@@ -262,7 +261,7 @@ def kind_of(message: str) -> int:
     """The index in `RESULTS` of the kind of `message` (a full message, as `check_faults`
     gets it). A message of no kind is a bug of the library: the test of `RESULTS` against
     the catalogue of `docs/errors.md` keeps every message of the package in a kind."""
-    body = message.split(_SITE)[0]
+    body = message.split(SITE)[0]
     found = _CALL.match(body)
     body = body[found.end() :] if found else body
     for index, pattern in _KINDS:

@@ -329,6 +329,7 @@ def test_a_fault_raises_or_is_recorded(case):
     message = result.message
     assert message is not None and case.message in message
     assert "(called at test_results.py:" in message
+    assert message.count("(called at ") == 1  # once, however many layers recorded it
     with pytest.raises(eqx.EquinoxRuntimeError, match=re.escape(case.message)):
         (new if new is not None else result).check()
     if new is not None and new.result is not None:
@@ -471,6 +472,8 @@ def test_a_rate_limited_global_buffer_refuses_an_insert_and_counts_nothing():
     for _ in range(3):
         buf = add(buf, _steps(2 * shards))
     assert buf.result is not None and buf.result.kind == dx.RESULTS.insert_not_allowed
+    message = buf.result.message
+    assert message is not None and message.count("(called at ") == 1
     assert int(buf.size) == 2 * shards and buf.counts() == (2 * shards, 0)
 
 
