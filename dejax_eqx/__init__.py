@@ -11,6 +11,7 @@ from ._abstract import (
 )
 from ._clustered import ClusteredReplay as ClusteredReplay
 from ._dataset import Dataset as Dataset
+from ._episodes import EpisodeInfo as EpisodeInfo, Episodes as Episodes
 from ._global import AbstractGlobalBuffer as AbstractGlobalBuffer
 from ._global_replay import GlobalReplay as GlobalReplay
 from ._global_trajectories import GlobalTrajectoryBuffer as GlobalTrajectoryBuffer
@@ -43,6 +44,7 @@ from ._rate_limited import (
     RateLimitedTrajectoryBuffer as RateLimitedTrajectoryBuffer,
 )
 from ._rate_limiter import RateLimiter as RateLimiter
+from ._relabel import Relabel as Relabel, Relabelled as Relabelled
 from ._results import Result as Result, RESULTS as RESULTS
 from ._service import (
     RateLimitTimeout as RateLimitTimeout,

@@ -19,12 +19,21 @@ from jaxtyping import (
 )
 
 from ._checks import check_bool, check_positive_int
+from ._episodes import EpisodeInfo, Episodes
 from ._faults import check_faults, Fault
 from ._laws import AbstractLaw, draw_from, sample_with, split_union
 from ._nstep import NStep
 from ._policy_age import PolicyAge
+from ._relabel import Relabel
 from ._results import reports, Result
-from ._streams import check_newest, check_stale, checked_streams, Streams
+from ._streams import (
+    check_newest,
+    check_stale,
+    check_stamps,
+    checked_streams,
+    episodes_of,
+    Streams,
+)
 from ._windows import Window
 
 
@@ -596,6 +605,48 @@ class AbstractTrajectoryBuffer(AbstractBuffer):
         call = f"{type(self).__name__}.stale"
         return check_faults(*check_stale(self.streams, env_ids, starts, call, mask=mask))
 
+    @property
+    def episodes(self) -> Episodes | None:
+        """How this buffer tells episodes apart (the `Episodes` it was made with), or `None`
+        if it keeps no episodes."""
+        return self.streams.episodes
+
+    @reports
+    def episodes_of(
+        self, env_ids: Integer[ArrayLike, "*n"], steps: Integer[ArrayLike, "*n"]
+    ) -> EpisodeInfo:
+        """Where the episodes of stored steps `(env, step)` began and ended, in O(1) per
+        step, from the bookkeeping a buffer made with `episodes=` keeps.
+
+        **Arguments:**
+
+        - `env_ids`: an integer array of env ids in `[0, num_envs)`, of any shape.
+        - `steps`: an integer array of the same shape: absolute step numbers of stored steps
+            (as `SequenceSample.start` gives them).
+
+        **Returns:** an `EpisodeInfo` of arrays of the shape of `env_ids`.
+
+        **Raises:** `TypeError` at once for a buffer made without `episodes`;
+        `ValueError`/`TypeError` at once for arrays of other shapes or dtypes; an
+        `eqx.error_if` error if an env id is out of range, a step is not one its env has
+        taken, or a step is no longer stored.
+        """
+        call = f"{type(self).__name__}.episodes_of"
+        if self.streams.book is None:
+            raise TypeError(
+                f"`{call}`: this buffer keeps no episodes; make it with `episodes=dx.Episodes"
+                "(done=..., autoreset=...)`."
+            )
+        stamps = check_stamps(self.streams, env_ids, steps, call)
+        faults = [
+            *stamps.faults,
+            (
+                ~stamps.bad & stamps.stale,
+                f"`{call}`: a step is no longer stored; a newer step took its slot",
+            ),
+        ]
+        return check_faults(episodes_of(self.streams, stamps.env, stamps.start), faults)
+
     # --- the law: how this buffer draws, for `sample` and for every layer ---------------------
 
     def law(
@@ -607,6 +658,7 @@ class AbstractTrajectoryBuffer(AbstractBuffer):
         discount: Real[ArrayLike, ""] | None = None,
         beta: Real[ArrayLike, ""] | None = None,
         age: PolicyAge | None = None,
+        relabel: Relabel | None = None,
         call: str = "",
     ) -> tuple[AbstractLaw, list[Fault]]:
         """How this buffer draws `what` (with the options `sample` documents): the law that
@@ -635,6 +687,7 @@ class AbstractTrajectoryBuffer(AbstractBuffer):
         discount: Real[ArrayLike, ""] | None = None,
         beta: Real[ArrayLike, ""] | None = None,
         age: PolicyAge | None = None,
+        relabel: Relabel | None = None,
     ) -> Any:
         """Draw `batch_size` rows, with replacement, by this buffer's law for `what`.
 
@@ -680,6 +733,7 @@ class AbstractTrajectoryBuffer(AbstractBuffer):
             discount=discount,
             beta=beta,
             age=age,
+            relabel=relabel,
             call=call,
         )
         return sample_with(law, self, key, batch_size, faults, call)
@@ -756,4 +810,6 @@ class AbstractTrajectoryBuffer(AbstractBuffer):
 
     def _check_streams(self, streams: Streams, call: str) -> Streams:
         """`streams` if it has this buffer's configuration, else an error quoting `call`."""
-        return checked_streams(streams, self.num_envs, self.max_length, self.item_spec, call)
+        return checked_streams(
+            streams, self.num_envs, self.max_length, self.item_spec, call, self.streams.episodes
+        )

@@ -40,6 +40,7 @@ from ._global import (
 from ._laws import AbstractLaw
 from ._nstep import NStep
 from ._policy_age import PolicyAge
+from ._relabel import Relabel
 from ._results import reports
 from ._shard_map import Layout, run
 from ._streams import Streams
@@ -190,6 +191,7 @@ class GlobalTrajectoryBuffer(AbstractGlobalBuffer, AbstractTrajectoryBuffer):
         discount: Real[ArrayLike, ""] | None = None,
         beta: Real[ArrayLike, ""] | None = None,
         age: PolicyAge | None = None,
+        relabel: Relabel | None = None,
         call: str = "GlobalTrajectoryBuffer.law",
     ) -> tuple[AbstractLaw, list[Fault]]:
         """The shards' law: what `sample` draws by, over every shard together. (A global
@@ -201,6 +203,7 @@ class GlobalTrajectoryBuffer(AbstractGlobalBuffer, AbstractTrajectoryBuffer):
             discount=discount,
             beta=beta,
             age=age,
+            relabel=relabel,
             call=call,
         )
 
@@ -216,6 +219,7 @@ class GlobalTrajectoryBuffer(AbstractGlobalBuffer, AbstractTrajectoryBuffer):
         discount: Real[ArrayLike, ""] | None = None,
         beta: Real[ArrayLike, ""] | None = None,
         age: PolicyAge | None = None,
+        relabel: Relabel | None = None,
     ) -> Any:
         """Rows drawn by the shards' law over the whole buffer, with replacement, with the
         arguments and in the form of the shards' own `sample` (see
@@ -245,6 +249,7 @@ class GlobalTrajectoryBuffer(AbstractGlobalBuffer, AbstractTrajectoryBuffer):
             discount=discount,
             beta=beta,
             age=age,
+            relabel=relabel,
             call=call,
         )
         return self._sample_union(law, faults, key, batch_size, call)

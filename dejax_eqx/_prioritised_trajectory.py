@@ -22,6 +22,7 @@ from ._checks import (
     Prototype,
 )
 from ._deprecated import deprecated_property
+from ._episodes import Episodes
 from ._faults import check_faults, Fault, vetoing
 from ._laws import (
     AbstractEnumerableLaw,
@@ -36,6 +37,7 @@ from ._laws import (
 from ._nstep import NStep
 from ._policy_age import AgedLaw, PolicyAge
 from ._priorities import check_beta, HasPriorities, mass_faults, Priorities, weights
+from ._relabel import Relabel, relabelled_law
 from ._results import initial_result, reports, Result
 from ._sequences import (
     count_starts,
@@ -136,6 +138,7 @@ class PrioritisedTrajectoryBuffer(AbstractTrajectoryBuffer, HasPriorities):
         priority_exponent: float = 0.6,
         stratified: bool = False,
         dtype: Any = jnp.float32,
+        episodes: Episodes | None = None,
         throw: bool = True,
         **options: Any,
     ):
@@ -149,6 +152,7 @@ class PrioritisedTrajectoryBuffer(AbstractTrajectoryBuffer, HasPriorities):
         - `stratified`: draw one window from each of `batch_size` equal slices of the total
             mass (default `False`: i.i.d. draws).
         - `dtype`: the float dtype of the priority sums (`jnp.float32` by default).
+        - `episodes`: as for `TrajectoryBuffer`.
         - `throw`: how a fault (a fact of the data: an empty buffer, an index out of range)
             is reported: raised at the faulty call (`True`, the default), or kept as the
             buffer's `result` and beside what a read returns (`False`: no conditional and no
@@ -156,9 +160,11 @@ class PrioritisedTrajectoryBuffer(AbstractTrajectoryBuffer, HasPriorities):
         """
         call = "PrioritisedTrajectoryBuffer"
         self.result = initial_result(throw, f"{call}(throw=...)")
-        streams = make_streams(prototype, num_envs, max_length, call)
+        streams = make_streams(prototype, num_envs, max_length, call, episodes)
         # The buffer around the streams, without allocating its own (a shape-only template).
-        template = eqx.filter_eval_shape(TrajectoryBuffer, streams.item_spec, num_envs, max_length)
+        template = eqx.filter_eval_shape(
+            TrajectoryBuffer, streams.item_spec, num_envs, max_length, episodes=episodes
+        )
         self.trajectories = template.with_streams(streams)
         self.window = _whole_windows(window, options, streams, call)
         capacity = num_envs * leaves_per_env(max_length, self.window.period)
@@ -226,6 +232,7 @@ class PrioritisedTrajectoryBuffer(AbstractTrajectoryBuffer, HasPriorities):
         discount: Real[ArrayLike, ""] | None = None,
         beta: Real[ArrayLike, ""] | None = None,
         age: PolicyAge | None = None,
+        relabel: Relabel | None = None,
         call: str = "PrioritisedTrajectoryBuffer.law",
     ) -> tuple[AbstractLaw, list[Fault]]:
         """Its windows, each with probability `P ∝ p ** priority_exponent` (i.i.d. or
@@ -242,6 +249,8 @@ class PrioritisedTrajectoryBuffer(AbstractTrajectoryBuffer, HasPriorities):
         beta, faults = check_beta(1.0 if beta is None else beta, call, dtype)
         k, capacity = self.num_envs, self.priorities.tree.capacity
         base = PrioritisedWindowLaw(window, beta, k, capacity, self.stratified)
+        if relabel is not None:
+            return relabelled_law(base, relabel, self.streams, window, None, age, call), faults
         if age is None:
             return base, faults
         stratified = self.stratified
@@ -260,6 +269,7 @@ class PrioritisedTrajectoryBuffer(AbstractTrajectoryBuffer, HasPriorities):
         discount: Real[ArrayLike, ""] | None = None,
         beta: Real[ArrayLike, ""] | None = None,
         age: PolicyAge | None = None,
+        relabel: Relabel | None = None,
         episode_ends: EpisodeEnds | None = None,
         done: LeafName | tuple[LeafName, ...] | None = None,
     ) -> Any:
@@ -276,6 +286,7 @@ class PrioritisedTrajectoryBuffer(AbstractTrajectoryBuffer, HasPriorities):
             discount=discount,
             beta=beta,
             age=age,
+            relabel=relabel,
         )
 
     @reports

@@ -60,6 +60,7 @@ from ._rate_limiter import (
     RateLimiter,
 )
 from ._rates import Rate
+from ._relabel import Relabel
 from ._results import inherited_result, reports, Result
 from ._streams import Streams
 from ._windows import Window
@@ -685,6 +686,7 @@ class RateLimitedTrajectoryBuffer(RateLimited, AbstractTrajectoryBuffer):
         discount: Real[ArrayLike, ""] | None = None,
         beta: Real[ArrayLike, ""] | None = None,
         age: PolicyAge | None = None,
+        relabel: Relabel | None = None,
         call: str = "RateLimited.law",
     ) -> tuple[AbstractLaw, list[Fault]]:
         """The buffer's law: what `sample` draws by. (A `RateLimited` is a layer: it is never
@@ -696,6 +698,7 @@ class RateLimitedTrajectoryBuffer(RateLimited, AbstractTrajectoryBuffer):
             discount=discount,
             beta=beta,
             age=age,
+            relabel=relabel,
             call=call,
         )
 
@@ -711,6 +714,7 @@ class RateLimitedTrajectoryBuffer(RateLimited, AbstractTrajectoryBuffer):
         discount: Real[ArrayLike, ""] | None = None,
         beta: Real[ArrayLike, ""] | None = None,
         age: PolicyAge | None = None,
+        relabel: Relabel | None = None,
     ) -> tuple[_RT, Any]:
         """The buffer's `sample(key, batch_size, ...)`, counted: `batch_size` rows.
 
@@ -733,6 +737,7 @@ class RateLimitedTrajectoryBuffer(RateLimited, AbstractTrajectoryBuffer):
             discount=discount,
             beta=beta,
             age=age,
+            relabel=relabel,
         )
         return limited, out
 

@@ -22,6 +22,7 @@ from ._checks import (
     Prototype,
     spec_of,
 )
+from ._episodes import EpisodeBook, EpisodeInfo, Episodes
 from ._faults import check_faults, Fault, veto, vetoing
 from ._storage import ring_add, ring_sub
 from ._writes import scatter_at, scatter_rows
@@ -60,10 +61,19 @@ class Streams(eqx.Module):
     lengths: Int[Array, " num_envs"]
     """Per env, the number of stored steps, `min(step_count, max_length)` unless restored
     otherwise (int32)."""
+    book: EpisodeBook | None
+    """The episode bookkeeping (`_episodes.py`), if made with `episodes`; else `None`."""
     num_envs: int = eqx.field(static=True)
     max_length: int = eqx.field(static=True)
 
-    def __init__(self, prototype: Prototype, num_envs: int, max_length: int):
+    def __init__(
+        self,
+        prototype: Prototype,
+        num_envs: int,
+        max_length: int,
+        *,
+        episodes: Episodes | None = None,
+    ):
         """**Arguments:**
 
         - `prototype`: one step of one env, a pytree of arrays (or Python scalars). Only its
@@ -71,14 +81,23 @@ class Streams(eqx.Module):
         - `num_envs`: the number of envs (streams), a positive Python int.
         - `max_length`: the number of steps each env keeps, a positive Python int below
             `2**31`.
+        - `episodes`: an `Episodes`, to keep where each stored step's episode began and
+            ended (`episodes_of`); `None` (the default) keeps nothing.
         """
-        self.num_envs = check_positive_int(num_envs, "Streams(num_envs=...)")
-        self.max_length = check_positive_int(max_length, "Streams(max_length=...)")
-        spec = as_prototype(prototype, "Streams(prototype=...)")
+        call = "Streams"
+        self.num_envs = check_positive_int(num_envs, f"{call}(num_envs=...)")
+        self.max_length = check_positive_int(max_length, f"{call}(max_length=...)")
+        spec = as_prototype(prototype, f"{call}(prototype=...)")
         shape = (self.num_envs, self.max_length)
         self.data = jax.tree.map(lambda s: jnp.zeros((*shape, *s.shape), s.dtype), spec)
         self.step_count = jnp.zeros(self.num_envs, jnp.int32)
         self.lengths = jnp.zeros(self.num_envs, jnp.int32)
+        self.book = _book(episodes, spec, self.num_envs, self.max_length, call)
+
+    @property
+    def episodes(self) -> Episodes | None:
+        """How the streams tell episodes apart (`Episodes`), or `None`."""
+        return None if self.book is None else self.book.episodes
 
     @property
     def item_spec(self) -> PyTree[jax.ShapeDtypeStruct]:
@@ -177,19 +196,50 @@ class Streams(eqx.Module):
                 (~bad_count & ~bad_kept & (kept > count), f"`{call}`: `lengths` exceed `ends`"),
             ],
         )
+        data = jax.tree.map(place, items)
+        if self.book is None:
+            return eqx.tree_at(
+                lambda s: (s.data, s.step_count, s.lengths), self, (data, count, kept)
+            )
+        book, ids = self.book.restored(items, count, kept)
+        book = eqx.tree_at(lambda b: b.ids, book, place(ids))
         return eqx.tree_at(
-            lambda s: (s.data, s.step_count, s.lengths),
-            self,
-            (jax.tree.map(place, items), count, kept),
+            lambda s: (s.data, s.step_count, s.lengths, s.book), self, (data, count, kept, book)
         )
 
 
-def make_streams(prototype: Prototype, num_envs: int, max_length: int, owner: str) -> Streams:
-    """`Streams(prototype, num_envs, max_length)` with the arguments checked under the name of
-    the buffer that owns them (`owner`), so that a bad one is reported as that buffer's."""
+def _book(
+    episodes: Episodes | None, spec: PyTree, num_envs: int, max_length: int, call: str
+) -> EpisodeBook | None:
+    if episodes is None:
+        return None
+    if not isinstance(episodes, Episodes):
+        raise TypeError(f"`{call}(episodes=...)` must be a `dx.Episodes`, got {episodes!r}.")
+    episodes.check(spec, call)
+    return EpisodeBook(episodes, num_envs, max_length)
+
+
+def make_streams(
+    prototype: Prototype,
+    num_envs: int,
+    max_length: int,
+    owner: str,
+    episodes: Episodes | None = None,
+) -> Streams:
+    """`Streams(prototype, num_envs, max_length, episodes=episodes)` with the arguments
+    checked under the name of the buffer that owns them (`owner`), so that a bad one is
+    reported as that buffer's."""
     num_envs = check_positive_int(num_envs, f"{owner}(num_envs=...)")
     max_length = check_positive_int(max_length, f"{owner}(max_length=...)")
-    return Streams(as_prototype(prototype, f"{owner}(prototype=...)"), num_envs, max_length)
+    spec = as_prototype(prototype, f"{owner}(prototype=...)")
+    _book(episodes, spec, num_envs, max_length, owner)  # a bad one is the owner's
+    return Streams(spec, num_envs, max_length, episodes=episodes)
+
+
+def episodes_of(streams: Streams, env: Int[Array, "*n"], step: Int[Array, "*n"]) -> EpisodeInfo:
+    """The episodes of stored steps `step` of envs `env` (in range; unchecked)."""
+    assert streams.book is not None, "the caller checks that the streams keep episodes"
+    return streams.book.info(env, step, streams.step_count)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -403,6 +453,12 @@ def append_steps(
     vetoed = veto()
     if vetoed is not None and rows is not None:
         rows = jnp.where(vetoed, streams.num_envs, rows)
+    book, store = streams.book, streams.data
+    if book is not None:  # the episode ids go beside the steps, written by the same scatter
+        counts = streams.step_count
+        counts = counts if rows is None else jnp.take(counts, rows, mode="fill", fill_value=0)
+        book, ids = book.advance(items, rows, counts, vetoed)
+        items, store = (items, ids), (streams.data, book.ids)
     if length > m:  # only the last m steps of each env survive, as after `length` appends
         items = jax.tree.map(lambda x: x[:, length - m :], items)
     kept = min(length, m)
@@ -420,21 +476,21 @@ def append_steps(
         slots = ring_add(head[:, None], offsets[None, :], m)
         if vetoed is not None:
             every = jnp.arange(streams.num_envs, dtype=jnp.int32)[:, None]
-            items = jax.tree.map(
-                lambda x, y: jnp.where(vetoed, x[every, slots], y), streams.data, items
-            )
-        data = jax.tree.map(lambda x, y: scatter_rows(x, slots, y), streams.data, items)
+            items = jax.tree.map(lambda x, y: jnp.where(vetoed, x[every, slots], y), store, items)
+        data = jax.tree.map(lambda x, y: scatter_rows(x, slots, y), store, items)
         added = jnp.full(streams.num_envs, True if vetoed is None else ~vetoed)
     else:
         cursors = jnp.take(head, rows, mode="fill", fill_value=0)
         slots = ring_add(cursors[:, None], offsets[None, :], m)
-        data = jax.tree.map(
-            lambda x, y: scatter_at(x, rows[:, None], slots, y), streams.data, items
-        )
+        data = jax.tree.map(lambda x, y: scatter_at(x, rows[:, None], slots, y), store, items)
         added = count_ids(rows, streams.num_envs) > 0
     fits = added & (streams.step_count <= INT32_MAX - length)
     step_count = jnp.where(fits, streams.step_count + length, streams.step_count)
     lengths = grow(streams.lengths, added, length, m)
+    if book is not None:
+        data, ids = data
+        book = eqx.tree_at(lambda b: b.ids, book, ids)
+        streams = eqx.tree_at(lambda s: s.book, streams, book)
     new = eqx.tree_at(
         lambda s: (s.data, s.step_count, s.lengths), streams, (data, step_count, lengths)
     )
@@ -497,7 +553,12 @@ def gather_steps(
 
 
 def checked_streams(
-    streams: Any, num_envs: int, max_length: int, item_spec: PyTree, call: str
+    streams: Any,
+    num_envs: int,
+    max_length: int,
+    item_spec: PyTree,
+    call: str,
+    episodes: Episodes | None = None,
 ) -> Streams:
     """`streams` if it is a `Streams` of this configuration, else an error quoting `call`."""
     if not isinstance(streams, Streams):
@@ -508,5 +569,10 @@ def checked_streams(
         raise ValueError(
             f"`{call}`: the streams have (num_envs, max_length, steps) = {theirs}, but "
             f"this buffer has {mine}."
+        )
+    if streams.episodes != episodes:
+        raise ValueError(
+            f"`{call}`: the streams keep episodes as {streams.episodes}, but this buffer "
+            f"as {episodes}; they must be the same."
         )
     return streams

@@ -19,6 +19,7 @@ from ._checks import (
     Prototype,
 )
 from ._deprecated import warn_replaced
+from ._episodes import Episodes
 from ._faults import check_faults, Fault
 from ._laws import (
     AbstractEnumerableLaw,
@@ -33,6 +34,7 @@ from ._laws import (
 from ._nstep import as_nstep, NStep, read_transitions, Transitions
 from ._policy_age import AgedLaw, PolicyAge
 from ._priorities import check_beta
+from ._relabel import Relabel, relabelled_law
 from ._results import initial_result, reports, Result
 from ._sequences import admissible, draw_starts, Law, phase, start_log_weights
 from ._streams import (
@@ -120,7 +122,15 @@ class TrajectoryBuffer(AbstractTrajectoryBuffer):
     """The first fault of the buffer's calls, as a `Result`, if it was built with
     `throw=False` (see `check`); `None` if it raises its faults (`throw=True`)."""
 
-    def __init__(self, prototype: Prototype, num_envs: int, max_length: int, *, throw: bool = True):
+    def __init__(
+        self,
+        prototype: Prototype,
+        num_envs: int,
+        max_length: int,
+        *,
+        episodes: Episodes | None = None,
+        throw: bool = True,
+    ):
         """**Arguments:**
 
         - `prototype`: one step of one env, a pytree of arrays (or Python scalars). Only its
@@ -128,13 +138,18 @@ class TrajectoryBuffer(AbstractTrajectoryBuffer):
         - `num_envs`: the number of envs (streams), a positive Python int.
         - `max_length`: the number of steps each env keeps, a positive Python int below
             `2**31`. Storage is `num_envs · max_length` steps.
+        - `episodes`: an `Episodes` (which leaves end an episode, and the environment's
+            auto-reset), to keep where every stored step's episode began and ended
+            (`episodes_of`), at O(1) per added step and three int32 arrays of the storage's
+            `(num_envs, max_length)`; what goal relabelling (`sample(..., relabel=...)`)
+            needs. `None` (the default) keeps nothing.
         - `throw`: how a fault (a fact of the data: an empty buffer, an index out of range)
             is reported: raised at the faulty call (`True`, the default), or kept as the
             buffer's `result` and beside what a read returns (`False`: no conditional and no
             callback is compiled; see the guide's "Faults as results").
         """
         self.result = initial_result(throw, "TrajectoryBuffer(throw=...)")
-        self.streams = make_streams(prototype, num_envs, max_length, "TrajectoryBuffer")
+        self.streams = make_streams(prototype, num_envs, max_length, "TrajectoryBuffer", episodes)
         self.online_length = jnp.zeros(self.streams.num_envs, jnp.int32)
 
     @property
@@ -181,6 +196,7 @@ class TrajectoryBuffer(AbstractTrajectoryBuffer):
         discount: Real[ArrayLike, ""] | None = None,
         beta: Real[ArrayLike, ""] | None = None,
         age: PolicyAge | None = None,
+        relabel: Relabel | None = None,
         call: str = "TrajectoryBuffer.law",
     ) -> tuple[AbstractLaw, list[Fault]]:
         """Windows (`what` a `Window`): every admissible start of every env of the source,
@@ -205,14 +221,18 @@ class TrajectoryBuffer(AbstractTrajectoryBuffer):
                 f"transitions), got {what!r}."
             )
         parts, faults = parts_of(self, what, sources, distribution_power, discount, call)
+        gamma = getattr(parts[0], "gamma", None)  # an n-step law's discount
         if age is not None:
             beta, beta_faults = check_beta(1.0 if beta is None else beta, call, jnp.float32)
             faults += beta_faults
             noun = parts[0].noun
             parts = [AgedLaw(part, self, age, noun=noun, call=call) for part in parts]
         if isinstance(source, Mapping):
-            return MixedLaw(tuple(parts), tuple(sources.values()), call), faults
-        return parts[0], faults
+            law: AbstractLaw = MixedLaw(tuple(parts), tuple(sources.values()), call)
+        else:
+            law = parts[0]
+        what = cast(Window | NStep, what)  # `_PARTS` took nothing else
+        return relabelled_law(law, relabel, self.streams, what, gamma, age, call), faults
 
     @reports
     def sample(
@@ -226,6 +246,7 @@ class TrajectoryBuffer(AbstractTrajectoryBuffer):
         discount: Real[ArrayLike, ""] | None = None,
         beta: Real[ArrayLike, ""] | None = None,
         age: PolicyAge | None = None,
+        relabel: Relabel | None = None,
         burn_in: int | None = None,
         bootstrap: int | None = None,
         period: int | None = None,
@@ -256,6 +277,7 @@ class TrajectoryBuffer(AbstractTrajectoryBuffer):
             discount=discount,
             beta=beta,
             age=age,
+            relabel=relabel,
         )
 
     @reports
