@@ -73,7 +73,7 @@ class Episodes(eqx.Module):
     done: tuple[LeafName, ...] = eqx.field(static=True)
     autoreset: Autoreset = eqx.field(static=True)
 
-    def __init__(self, done: LeafName | tuple[LeafName, ...], *, autoreset: Autoreset):
+    def __init__(self, done: LeafName | tuple[LeafName, ...], *, autoreset: str):
         """**Arguments:** as above."""
         call = "Episodes"
         self.done = tuple(done) if isinstance(done, tuple | list) else (done,)
@@ -171,7 +171,7 @@ class EpisodeBook(eqx.Module):
             begun, pending = state
             reset = pending == _RESETS
             begins = pending == _BEGINS
-            begun = begun + begins
+            begun = begun + begins.astype(jnp.int32)
             ids = jnp.where(reset, -1, begun - 1)
             ends = end & ~reset
             pending = jnp.where(reset, _BEGINS, jnp.where(ends, after_end, _CONTINUES))

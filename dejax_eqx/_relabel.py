@@ -13,7 +13,7 @@ from typing import Any, Literal, NamedTuple
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree
+from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray, PyTree
 
 from ._checks import check_leaf, LeafName, pick_leaf
 from ._faults import Fault
@@ -256,7 +256,7 @@ class RelabelledLaw(AbstractLaw):
     # --- the goals -----------------------------------------------------------------------------
 
     def _relabel(
-        self, streams: Streams, rows: SequenceSample | Transitions, keys: PRNGKeyArray
+        self, streams: Streams, rows: SequenceSample | Transitions, keys: Key[Array, " batch"]
     ) -> tuple[Any, Bool[Array, " batch"], Int[Array, " batch"]]:
         relabel = self.relabel
         batch = keys.shape[0]
@@ -293,7 +293,7 @@ def _wrapped(rows: Any) -> bool:
 
 def _goal_steps(
     relabel: Relabel,
-    keys: PRNGKeyArray,
+    keys: Key[Array, " batch"],
     anchor: Int[Array, " batch"],
     first: Int[Array, " batch"],
     last: Int[Array, " batch"],

@@ -84,6 +84,7 @@ _TEXTS: dict[str, str] = {
         "a stamp this buffer cannot have given: its start is not on a multiple of period = …, "
         "or its window of … steps has not been stored yet"
     ),
+    "step_overwritten": "a step is no longer stored; a newer step took its slot",
     "stale_window": (
         "a window is stale (its first step has been overwritten); read only the windows "
         "`stale` says are not"
@@ -198,6 +199,7 @@ class RESULTS(eqx.Enumeration):
     cluster_fn_out_of_range = _TEXTS["cluster_fn_out_of_range"]
     start_not_taken = _TEXTS["start_not_taken"]
     stamp_not_given = _TEXTS["stamp_not_given"]
+    step_overwritten = _TEXTS["step_overwritten"]
     stale_window = _TEXTS["stale_window"]
     bad_priority = _TEXTS["bad_priority"]
     bad_value = _TEXTS["bad_value"]
