@@ -340,7 +340,10 @@ def _episodes(
     for lo in range(0, len(indices), per_read):
         chunk = list(m.iterate_episodes(indices[lo : lo + per_read]))
         for k, episode in enumerate(chunk, start=lo):
-            yield k, _episode_steps(_columns(episode, keep_infos), spec, target, episode.id, call)
+            yield (
+                k,
+                _episode_steps(_columns(episode, keep_infos), spec, target, int(episode.id), call),
+            )
         if bar is not None:
             bar.update(len(chunk))
 
@@ -530,7 +533,8 @@ def _streams_of(source: Any, call: str) -> tuple[PyTree, list[_Stream]]:
     width = int(stored.max(initial=0))
     if width:
         env = jnp.arange(t.num_envs, dtype=jnp.int32)
-        held = [np.asarray(x) for x in jax.tree.leaves(gather_steps(t, env, stored, width))]
+        back = jnp.asarray(stored, jnp.int32)
+        held = [np.asarray(x) for x in jax.tree.leaves(gather_steps(t, env, back, width))]
     else:
         held = []
 
