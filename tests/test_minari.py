@@ -181,7 +181,7 @@ def test_minari_to_dataset_layout(cartpole, tmp_path):
             assert rows["action"][t] == 0 and rows["reward"][t] == 0
             assert not rows["terminated"][t] and not rows["truncated"][t]
             at += t + 1
-    assert rows["observation"].dtype == cartpole.observation_space.dtype
+    assert dataset.item_spec["observation"].dtype == cartpole.observation_space.dtype
     assert dataset.item_spec["reward"].dtype == episodes[0].rewards.dtype  # kept as Minari has it
 
 
