@@ -15,6 +15,7 @@ from ._episodes import EpisodeInfo as EpisodeInfo, Episodes as Episodes
 from ._global import AbstractGlobalBuffer as AbstractGlobalBuffer
 from ._global_replay import GlobalReplay as GlobalReplay
 from ._global_trajectories import GlobalTrajectoryBuffer as GlobalTrajectoryBuffer
+from ._grain import WindowSource as WindowSource
 from ._io import load as load, save as save
 from ._laws import (
     AbstractEnumerableLaw as AbstractEnumerableLaw,
@@ -22,6 +23,13 @@ from ._laws import (
     Candidates as Candidates,
     Draw as Draw,
     MixedLaw as MixedLaw,
+)
+from ._minari import (
+    from_minari as from_minari,
+    load_minari as load_minari,
+    minari_spec as minari_spec,
+    MinariWritten as MinariWritten,
+    to_minari as to_minari,
 )
 from ._nstep import NStep as NStep, Transitions as Transitions
 from ._policy_age import AgedLaw as AgedLaw, AgedSample as AgedSample, PolicyAge as PolicyAge
