@@ -4,6 +4,8 @@ strategy (chi-square, fixed keys, false-failure rate 1e-6), the support (never a
 episode, overwritten slot or auto-reset step), the rows left alone, the rewards and n-step
 returns recomputed, and the layers."""
 
+from typing import Any, cast
+
 import dejax_eqx as dx
 import equinox as eqx
 import jax
@@ -111,8 +113,8 @@ def test_episode_bookkeeping_of_adds_of_every_env_and_a_refused_add():
     buf = dx.TrajectoryBuffer(STEP, 2, 3, episodes=episodes, throw=False)
     flags = [[False, True], [True, False], [False, False], [True, True]]
     add = eqx.filter_jit(lambda b, s, e=None: b.add(s, e))
+    steps = jax.tree.map(lambda x: jnp.zeros((2, *x.shape), x.dtype), STEP)
     for done in flags:
-        steps = jax.tree.map(lambda x: jnp.zeros((2, *x.shape), x.dtype), STEP)
         buf = add(buf, {**steps, "done": jnp.asarray(done)})
     refused = add(buf, {**steps, "done": jnp.asarray([True, True])}, jnp.array([1, 1]))
     assert refused.result.kind == dx.RESULTS.env_id_repeated
@@ -120,7 +122,7 @@ def test_episode_bookkeeping_of_adds_of_every_env_and_a_refused_add():
     assert all(jax.tree.leaves(same))  # the refused add changed no episode
     for env in range(2):
         history = [done[env] for done in flags]
-        info, result = buf.episodes_of(jnp.full(3, env), jnp.arange(1, 4))  # throw=False
+        info, result = cast(Any, buf.episodes_of(jnp.full(3, env), jnp.arange(1, 4)))
         assert result.kind == dx.RESULTS.successful
         got = np.stack([np.asarray(x, np.int64) for x in jax.tree.leaves(info)], 1)
         want = np.asarray(_model(history, "next-step")[1:4], np.int64)
@@ -176,6 +178,7 @@ def _law(strategy, t, first, last, oldest, discount=None):
     if strategy == "episode":
         lo = max(first, oldest)
         return {j: 1 / (last - lo + 1) for j in range(lo, last + 1)}
+    assert discount is not None
     weights = {t + i: discount**i for i in range(last - t + 1)}
     total = sum(weights.values())
     return {j: w / total for j, w in weights.items()}
@@ -255,8 +258,8 @@ def test_rows_left_alone_are_the_plain_sample_and_relabelled_rows_are_recomputed
     relabel = _relabel("future", fraction=0.4)
     key = jax.random.key(9)
     if what == "window":
-        args = (dx.Window(3, burn_in=1, done="done", episode_ends="within"),)
-        kwargs = {}
+        args: tuple[Any, ...] = (dx.Window(3, burn_in=1, done="done", episode_ends="within"),)
+        kwargs: dict[str, Any] = {}
     else:
         args = (dx.NStep(3, reward="reward", terminated="done"),)
         kwargs = {"discount": 0.9}
@@ -304,7 +307,7 @@ def test_rows_left_alone_are_the_plain_sample_and_relabelled_rows_are_recomputed
 def test_relabelling_through_the_layers_and_a_donated_scan():
     limiter = dx.RateLimiter.min_size(1, insert_batch_size=64, sample_batch_size=16)
     limit = lambda b: dx.RateLimited(b, limiter)  # noqa: E731
-    limited, _ = _fill("same-step", 4, 8, 5, np.random.default_rng(2), wrap=limit)
+    limited, _ = cast(Any, _fill("same-step", 4, 8, 5, np.random.default_rng(2), wrap=limit))
     buf = limited.buffer
     relabel = _relabel("geometric", fraction=0.5, discount=0.5)
     window = dx.Window(2)
