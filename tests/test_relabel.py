@@ -89,7 +89,7 @@ def _fill(autoreset, num_envs, max_length, calls, rng, *, p_end=0.25, wrap=None,
     return buf, history
 
 
-@pytest.mark.parametrize("autoreset", ["same-step", "next-step"])
+@pytest.mark.parametrize("autoreset", ["same-step", pytest.param("next-step", marks=SLOW)])
 @given(seed=st.integers(0, 2**32 - 1), max_length=st.sampled_from([1, 4]))
 def test_episode_bookkeeping_equals_the_model(autoreset, seed, max_length):
     rng = np.random.default_rng(seed)
@@ -195,7 +195,9 @@ CASES = [
 
 
 @pytest.mark.parametrize(
-    "case", [c if i < 4 else pytest.param(c, marks=SLOW) for i, c in enumerate(CASES)], ids=str
+    "case",
+    [c if i in (1, 2) else pytest.param(c, marks=SLOW) for i, c in enumerate(CASES)],
+    ids=str,
 )
 def test_each_strategy_draws_goals_by_its_law(case):
     # Conditional on its anchor, a row's goal step is a draw from the strategy's law over the
@@ -332,7 +334,7 @@ def test_relabelling_through_the_layers_and_a_donated_scan():
 
 
 @pytest.mark.skipif(not hasattr(jax, "shard_map"), reason="the global buffers need JAX 0.7+")
-@pytest.mark.parametrize("what", ["window", "nstep"])
+@pytest.mark.parametrize("what", ["window", pytest.param("nstep", marks=SLOW)])
 def test_a_global_buffer_relabels_as_one_buffer_of_every_env(what):
     mesh = jax.make_mesh((2,), ("shards",), devices=jax.devices()[:2])
     episodes = dx.Episodes("done", autoreset="same-step")
