@@ -5,7 +5,8 @@ with static shapes. The home of the episode bookkeeping that goal relabelling re
 
 The layout. Env `e` numbers its episodes `0, 1, 2, ...` in the order they begin. Per slot, the
 number of the episode its step belongs to (`ids`, the slot's other leaf: it is written by the
-same scatter as the step), or `-1` for an auto-reset step (see `Episodes`). Per env, two rings
+same scatter as the step), or `~k` for the auto-reset step after episode `k` (see `Episodes`).
+Per env, two rings
 indexed by episode number modulo `max_length`: the absolute step number of episode `k`'s first
 step (`first`) and of the step that ended it (`last`). A ring entry outlives every stored step
 of its episode: episode `k + max_length` cannot begin (or end) before `max_length` episodes of
@@ -172,7 +173,8 @@ class EpisodeBook(eqx.Module):
             reset = pending == _RESETS
             begins = pending == _BEGINS
             begun = begun + begins.astype(jnp.int32)
-            ids = jnp.where(reset, -1, begun - 1)
+            # The reset step after episode k is ~k (negative): `rank` reads k from it.
+            ids = jnp.where(reset, ~(begun - 1), begun - 1)
             ends = end & ~reset
             pending = jnp.where(reset, _BEGINS, jnp.where(ends, after_end, _CONTINUES))
             return (begun, pending), (ids, begins, ends)
@@ -211,14 +213,26 @@ class EpisodeBook(eqx.Module):
         """The episodes of stored steps `step` (absolute numbers) of envs `env` (both in
         range, broadcast together). Unchecked: a step that is not stored reads another's."""
         m = self.ids.shape[1]
-        episode = self.ids[env, step % m]
+        ids = self.ids[env, step % m]
+        reset = ids < 0
+        episode = jnp.where(reset, -1, ids)
         entry = jnp.maximum(episode, 0) % m
-        reset = episode < 0
         ended = reset | (episode < self.begun[env] - 1) | (self.pending[env] != _CONTINUES)
         first = jnp.where(reset, step, self.first[env, entry])
         last = jnp.where(ended, self.last[env, entry], step_count[env] - 1)
         last = jnp.where(reset, step, last)
         return EpisodeInfo(episode, first, last, ended)
+
+    def rank(self, ids: Int[Array, "*n"], step: Int[Array, "*n"]) -> Int[Array, "*n"]:
+        """Per step of its env (absolute number `step`, slot id `ids`), how many of its env's
+        steps before it belong to an episode, up to a constant per env: `step` with same-step
+        auto-reset (every step does), `step - k` with next-step auto-reset for a step of
+        episode `k` or the auto-reset step after it (each of the `k` episodes before it was
+        followed by one). Steps of episodes have ranks one apart; an auto-reset step shares
+        the next step's."""
+        if self.episodes.autoreset == "same-step":
+            return step
+        return step - jnp.where(ids < 0, ~ids, ids)
 
     def restored(
         self, steps: PyTree[Array], ends: Int[Array, " num_envs"], kept: Int[Array, " num_envs"]

@@ -17,14 +17,14 @@ from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray, PyTree
 
 from ._checks import check_leaf, LeafName, pick_leaf
 from ._faults import Fault
-from ._laws import AbstractLaw, Draw
+from ._laws import AbstractLaw, Draw, single
 from ._nstep import n_step, NStep, Transitions
 from ._streams import episodes_of, gather_at, Streams
 from ._windows import SequenceSample, Window
 
 
-Strategy = Literal["final", "future", "episode", "geometric"]
-STRATEGIES: tuple[Strategy, ...] = ("final", "future", "episode", "geometric")
+Strategy = Literal["final", "future", "episode", "geometric", "random"]
+STRATEGIES: tuple[Strategy, ...] = ("final", "future", "episode", "geometric", "random")
 
 # Folded into the sample's key for the goals' draws: the rows' own draw uses the key as it
 # is, so the rows are those of the same sample without relabelling.
@@ -53,9 +53,12 @@ class Relabel(eqx.Module):
         last]`.
     - `"geometric"`: `j = t + i`, `i` in `[0, last - t]` with probability `∝ discount ** i`
         (a future truncated at the episode's end), drawn in O(1) by inverse CDF.
+    - `"random"`: `j` uniform over every stored step of every env that belongs to an episode
+        (torchrl's and SB2's law), in O(num_envs + batch · log max_length). Of one buffer only:
+        over a `GlobalTrajectoryBuffer` its goals would come from other shards (refused).
 
-    A goal never comes from another env, another episode, an overwritten slot or an
-    auto-reset step.
+    A goal never comes from an overwritten slot or an auto-reset step, and, but under
+    `"random"`, never from another env or another episode.
 
     **Which rows.** The last `round(fraction · batch_size)` rows of a batch (halves round up)
     are relabelled; the others are exactly the rows the same sample without relabelling
@@ -207,12 +210,14 @@ class Relabelled(NamedTuple):
         (`SequenceSample`, `Transitions`, `PrioritisedSequenceSample`), relabelled where
         `relabelled` holds.
     - `relabelled`: bool `(batch,)`, whether each row took a new goal.
-    - `goal_step`: int32 `(batch,)`, the absolute step number (in the row's env) of the
-        step whose achieved goal the row took; `-1` where it took none.
+    - `goal_env`, `goal_step`: int32 `(batch,)`, the env and the absolute step number of the
+        step whose achieved goal the row took (`goal_env` is the row's own env but under
+        `"random"`); `-1` where it took none.
     """
 
     sample: Any
     relabelled: Bool[Array, " batch"]
+    goal_env: Int[Array, " batch"]
     goal_step: Int[Array, " batch"]
 
 
@@ -230,6 +235,12 @@ class RelabelledLaw(AbstractLaw):
         return self.base.summary(buffer)
 
     def draw(self, key: PRNGKeyArray, batch_size: int, summaries: PyTree[Array]) -> Draw:
+        if self.relabel.strategy == "random" and not single(summaries):
+            raise TypeError(
+                "`Relabel('random')` draws goals from every env of one buffer; over a union "
+                "of buffers (a GlobalTrajectoryBuffer's shards) they would come from other "
+                "shards. Use another strategy there."
+            )
         drawn = self.base.draw(key, batch_size, summaries)
         keys = jax.random.split(jax.random.fold_in(key, _GOAL_STREAM), batch_size)
         return Draw(drawn.owner, (drawn.at, keys))
@@ -238,14 +249,17 @@ class RelabelledLaw(AbstractLaw):
         base_at, keys = at
         rows = self.base.read(buffer, base_at)
         inner = rows.sample if _wrapped(rows) else rows
-        inner, relabelled, goal_step = self._relabel(buffer.streams, inner, keys)
+        inner, relabelled, goal_env, goal_step = self._relabel(buffer.streams, inner, keys)
         rows = rows._replace(sample=inner) if _wrapped(rows) else inner
-        return rows, relabelled, goal_step
+        return rows, relabelled, goal_env, goal_step
 
     def finish(self, rows: PyTree[Array], draw: Draw, summaries: PyTree[Array]) -> Relabelled:
-        rows, relabelled, goal_step = rows
+        rows, relabelled, goal_env, goal_step = rows
         out = self.base.finish(rows, Draw(draw.owner, draw.at[0]), summaries)
-        return Relabelled(out, relabelled, goal_step)
+        if self.relabel.strategy != "random":  # the row's own env, as the base names it
+            env = (out.sample if _wrapped(out) else out).env
+            goal_env = jnp.where(relabelled, env, -1)
+        return Relabelled(out, relabelled, goal_env, goal_step)
 
     def available(self, summaries: PyTree[Array]) -> Bool[Array, ""]:
         return self.base.available(summaries)
@@ -257,7 +271,7 @@ class RelabelledLaw(AbstractLaw):
 
     def _relabel(
         self, streams: Streams, rows: SequenceSample | Transitions, keys: Key[Array, " batch"]
-    ) -> tuple[Any, Bool[Array, " batch"], Int[Array, " batch"]]:
+    ) -> tuple[Any, Bool[Array, " batch"], Int[Array, " batch"], Int[Array, " batch"]]:
         relabel = self.relabel
         batch = keys.shape[0]
         chosen = jnp.arange(batch) >= batch - relabel.rows(batch)
@@ -273,17 +287,61 @@ class RelabelledLaw(AbstractLaw):
         anchor = jnp.where(stored, anchor, jnp.maximum(newest, 0))
         info = episodes_of(streams, env, anchor)
         ok = chosen & stored & ~info.reset & (info.ended | relabel.running)
-        oldest = streams.step_count[env] - streams.lengths[env]
-        goal_step = _goal_steps(relabel, keys, anchor, info.first, info.last, oldest)
+        if relabel.strategy == "random":
+            goal_env, goal_step, some = _random_goals(streams, keys)
+            ok = chosen & stored & some
+        else:
+            oldest = streams.step_count[env] - streams.lengths[env]
+            goal_env = env
+            goal_step = _goal_steps(relabel, keys, anchor, info.first, info.last, oldest)
         goal_step = jnp.where(ok, goal_step, -1)
+        goal_env = jnp.where(ok, goal_env, -1)
         slot = jnp.maximum(goal_step, 0) % streams.max_length
-        achieved = gather_at(streams, env, slot, data=pick_leaf(streams.data, relabel.achieved))
+        leaf = pick_leaf(streams.data, relabel.achieved)
+        achieved = gather_at(streams, jnp.maximum(goal_env, 0), slot, data=leaf)
         if isinstance(rows, SequenceSample):
             new = _relabel_windows(relabel, rows, achieved, ok)
         else:
             assert self.nstep is not None and self.gamma is not None
             new = _relabel_transitions(relabel, streams, rows, achieved, ok, self.nstep, self.gamma)
-        return new, ok, goal_step
+        return new, ok, goal_env, goal_step
+
+
+def _random_goals(
+    streams: Streams, keys: Key[Array, " batch"]
+) -> tuple[Int[Array, " batch"], Int[Array, " batch"], Bool[Array, ""]]:
+    """Per row, a stored step of any env that belongs to an episode, uniformly: `(env, step)`,
+    and whether there is any. The `r`-th such step over the envs in order is found by its
+    env (a cumulative count) and, in that env, by a binary search of the steps' ranks
+    (`EpisodeBook.rank`): O(num_envs + batch · log max_length)."""
+    book, m = streams.book, streams.max_length
+    assert book is not None
+    envs = jnp.arange(streams.num_envs, dtype=jnp.int32)
+    oldest = streams.step_count - streams.lengths
+    newest = jnp.maximum(streams.step_count - 1, 0)
+    first_ids, last_ids = book.ids[envs, oldest % m], book.ids[envs, newest % m]
+    low = book.rank(first_ids, oldest)
+    end = book.rank(last_ids, newest) + (last_ids >= 0).astype(jnp.int32)
+    counts = jnp.where(streams.lengths > 0, end - low, 0)
+    ends = jnp.cumsum(counts)
+    total = ends[-1]
+    r = jax.vmap(lambda k: jax.random.randint(k, (), 0, jnp.maximum(total, 1)))(keys)
+    env = jnp.searchsorted(ends, r, side="right", method="compare_all").astype(jnp.int32)
+    env = jnp.minimum(env, streams.num_envs - 1)
+    target = low[env] + r - (ends - counts)[env]
+    # The last position p in [0, lengths) whose step's rank is at most the target: a step of
+    # an episode (an auto-reset step shares the next step's rank, and is never the last).
+    lo, hi = jnp.zeros_like(env), jnp.maximum(streams.lengths[env] - 1, 0)
+
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = (lo + hi + 1) // 2
+        step = oldest[env] + mid
+        fits = book.rank(book.ids[env, step % m], step) <= target
+        return jnp.where(fits, mid, lo), jnp.where(fits, hi, mid - 1)
+
+    lo, _ = jax.lax.fori_loop(0, max(m - 1, 1).bit_length(), halve, (lo, hi))
+    return env, oldest[env] + lo, total > 0
 
 
 def _wrapped(rows: Any) -> bool:

@@ -219,3 +219,15 @@ def test_sebulba_cartpole_smoke(tmp_path):
     (counts,) = [line for line in result.stdout.splitlines() if "rows sampled" in line]
     assert "target 16" in counts and " 0 rows sampled" not in counts
     assert (tmp_path / "sebulba_cartpole.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_her_bitflip_smoke(tmp_path):
+    _require("optax", "matplotlib")
+    script = str(ROOT / "examples" / "her_bitflip.py")
+    result = _run(
+        [script, "--smoke", "--seeds", "0", "--compare", "--out", str(tmp_path)], tmp_path
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "HER final success per seed:" in result.stdout
+    assert "DQN final success per seed:" in result.stdout
+    assert (tmp_path / "her_bitflip.png").read_bytes().startswith(b"\x89PNG")

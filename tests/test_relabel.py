@@ -16,6 +16,7 @@ import scipy.stats
 from hypothesis import given, strategies as st
 
 from .helpers import SLOW
+from .hlo import aliased_parameters, copies
 
 
 STEP = {
@@ -216,8 +217,9 @@ def test_each_strategy_draws_goals_by_its_law(case):
         relabelled.append(np.asarray(out.relabelled))
         # The goal leaf holds the achieved goal of (env, goal step): never another env's.
         got = np.asarray(out.sample.items["goal"][:, 0])
-        want = np.stack([out.sample.env, out.goal_step], 1).astype(np.float32)
+        want = np.stack([out.goal_env, out.goal_step], 1).astype(np.float32)
         ok = np.asarray(out.relabelled)
+        np.testing.assert_array_equal(np.asarray(out.goal_env)[ok], np.asarray(out.sample.env)[ok])
         np.testing.assert_array_equal(got[ok], want[ok])
     anchors, goals, relabelled = map(np.concatenate, (anchors, goals, relabelled))
     models = [_model(flags, autoreset) for flags in history]
@@ -251,6 +253,36 @@ def test_each_strategy_draws_goals_by_its_law(case):
         return
     assert dof > 20
     assert statistic < scipy.stats.chi2.ppf(1 - ALPHA, dof), (statistic, dof)
+
+
+@pytest.mark.parametrize("autoreset", ["next-step", pytest.param("same-step", marks=SLOW)])
+def test_random_draws_every_stored_step_of_an_episode_uniformly(autoreset):
+    # Over every env: each stored step that belongs to an episode (not an auto-reset step, not
+    # an overwritten one) equally likely, whatever the row. One Pearson chi-square over the
+    # cells, against the quantile at 1 - 1e-6.
+    rng = np.random.default_rng(11)
+    buf, history = _fill(autoreset, 4, 12, 8, rng, p_end=0.3)
+    relabel = _relabel("random")
+    sample = eqx.filter_jit(lambda b, k: b.sample(k, 4096, dx.Window(1), relabel=relabel))
+    cells = [
+        (env, t)
+        for env, flags in enumerate(history)
+        for t, row in enumerate(_model(flags, autoreset))
+        if t >= len(flags) - 12 and row[0] >= 0
+    ]
+    counts = dict.fromkeys(cells, 0)
+    for i in range(4):
+        out = sample(buf, jax.random.key(i))
+        assert np.asarray(out.relabelled).all()
+        for env, t, goal in zip(out.goal_env, out.goal_step, np.asarray(out.sample.items["goal"])):
+            assert (int(env), int(t)) in counts  # the support
+            counts[int(env), int(t)] += 1
+            np.testing.assert_array_equal(goal[0], [env, t])
+    observed = np.array(list(counts.values()))
+    expected = observed.sum() / len(cells)
+    assert expected >= 5 and len(cells) > 20
+    statistic = float(((observed - expected) ** 2 / expected).sum())
+    assert statistic < scipy.stats.chi2.ppf(1 - ALPHA, len(cells) - 1), statistic
 
 
 @pytest.mark.parametrize("what", ["window", "nstep"])
@@ -363,5 +395,35 @@ def test_a_global_buffer_relabels_as_one_buffer_of_every_env(what):
     key = jax.random.key(3)
     got, want = eqx.filter_jit(ask)(glob, key), eqx.filter_jit(ask)(single, key)
     assert int(np.asarray(got.relabelled).sum()) == 12
+    with pytest.raises(TypeError, match="other shards"):
+        glob.sample(key, 4, dx.Window(1), relabel=_relabel("random"))
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+def test_a_donated_step_that_adds_and_relabels_updates_the_buffer_in_place():
+    # The episode ids are written by the steps' scatter and the rings by scatter-max: a
+    # donated add-and-relabelled-sample step aliases every array of the buffer and copies none.
+    episodes = dx.Episodes("done", autoreset="next-step")
+    buf = dx.TrajectoryBuffer(STEP, 4, 256, episodes=episodes)
+    relabel = _relabel("future", fraction=0.5, terminated="done", terminated_fn=_reached)
+    window = dx.Window(2)
+
+    def step(buf, steps, key):
+        def one(buf, key):
+            buf = buf.add(steps)
+            return buf, buf.sample(key, 8, window, relabel=relabel).goal_step
+
+        return jax.lax.scan(one, buf, jax.random.split(key, 3))
+
+    steps = jax.tree.map(lambda x: jnp.zeros((4, *x.shape), x.dtype), STEP)
+    arrays, static = eqx.partition(buf, eqx.is_array)
+    run = lambda a, s, k: step(eqx.combine(a, static), s, k)  # noqa: E731
+    hlo = jax.jit(run, donate_argnums=0).lower(arrays, steps, jax.random.key(0)).compile().as_text()
+    leaves = len(jax.tree.leaves(arrays))
+    assert set(range(leaves)) <= aliased_parameters(hlo)
+    assert not copies(hlo, 4 * 256)  # nothing the size of a leaf of the storage is copied
+
+
+def _reached(achieved, goal):
+    return jnp.all(achieved == goal)
