@@ -630,7 +630,14 @@ def _streams_step(streams, spec, rng):
 
 
 _STATIC = "a static Python value, not an array"
-_TRAJECTORY_STATIC = {"item_spec": _STATIC, "num_envs": _STATIC, "max_length": _STATIC}
+_TRAJECTORY_STATIC = {
+    "item_spec": _STATIC,
+    "num_envs": _STATIC,
+    "max_length": _STATIC,
+    "episodes": _STATIC,
+    "episodes_of": "tests/test_relabel.py, a buffer made with `episodes=` (refused at once "
+    "without)",
+}
 _LAYERS = "tests/test_layers.py, every layer over every kind"
 # What every buffer states for the layers over its family: covered there.
 _PROTOCOL = {
@@ -759,7 +766,7 @@ BUFFER_TYPES = [
         _streams,
         _streams_fill,
         _STREAMS,
-        {"item_spec": _STATIC},
+        {"item_spec": _STATIC, "episodes": _STATIC},
         _streams_step,
     ),
     BufferType(

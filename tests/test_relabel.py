@@ -419,7 +419,9 @@ def test_a_donated_step_that_adds_and_relabels_updates_the_buffer_in_place():
     steps = jax.tree.map(lambda x: jnp.zeros((4, *x.shape), x.dtype), STEP)
     arrays, static = eqx.partition(buf, eqx.is_array)
     run = lambda a, s, k: step(eqx.combine(a, static), s, k)  # noqa: E731
-    hlo = jax.jit(run, donate_argnums=0).lower(arrays, steps, jax.random.key(0)).compile().as_text()
+    compiled = jax.jit(run, donate_argnums=0).lower(arrays, steps, jax.random.key(0)).compile()
+    hlo = compiled.as_text()
+    assert hlo is not None
     leaves = len(jax.tree.leaves(arrays))
     assert set(range(leaves)) <= aliased_parameters(hlo)
     assert not copies(hlo, 4 * 256)  # nothing the size of a leaf of the storage is copied
