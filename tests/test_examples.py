@@ -221,6 +221,7 @@ def test_sebulba_cartpole_smoke(tmp_path):
     assert (tmp_path / "sebulba_cartpole.png").read_bytes().startswith(b"\x89PNG")
 
 
+@pytest.mark.slow
 def test_her_bitflip_smoke(tmp_path):
     _require("optax", "matplotlib")
     script = str(ROOT / "examples" / "her_bitflip.py")

@@ -285,7 +285,7 @@ def test_random_draws_every_stored_step_of_an_episode_uniformly(autoreset):
     assert statistic < scipy.stats.chi2.ppf(1 - ALPHA, len(cells) - 1), statistic
 
 
-@pytest.mark.parametrize("what", ["window", "nstep"])
+@pytest.mark.parametrize("what", ["window", pytest.param("nstep", marks=SLOW)])
 def test_rows_left_alone_are_the_plain_sample_and_relabelled_rows_are_recomputed(what):
     rng = np.random.default_rng(5)
     buf, _ = _fill("same-step", 3, 10, 6, rng)
@@ -338,6 +338,7 @@ def test_rows_left_alone_are_the_plain_sample_and_relabelled_rows_are_recomputed
         assert float(first["reward"][row]) == (0.0 if (achieved[0] == g).all() else -1.0)
 
 
+@SLOW
 def test_relabelling_through_the_layers_and_a_donated_scan():
     limiter = dx.RateLimiter.min_size(1, insert_batch_size=64, sample_batch_size=16)
     limit = lambda b: dx.RateLimited(b, limiter)  # noqa: E731
@@ -401,6 +402,7 @@ def test_a_global_buffer_relabels_as_one_buffer_of_every_env(what):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
 
 
+@SLOW
 def test_a_donated_step_that_adds_and_relabels_updates_the_buffer_in_place():
     # The episode ids are written by the steps' scatter and the rings by scatter-max: a
     # donated add-and-relabelled-sample step aliases every array of the buffer and copies none.
