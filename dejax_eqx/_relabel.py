@@ -13,12 +13,13 @@ from typing import Any, Literal, NamedTuple
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray, PyTree
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree, UInt32
 
 from ._checks import check_leaf, LeafName, pick_leaf
 from ._faults import Fault
 from ._laws import AbstractLaw, Draw, single
 from ._nstep import n_step, NStep, Transitions
+from ._sequences import uniform_below, unit_float
 from ._streams import episodes_of, gather_at, Streams
 from ._windows import SequenceSample, Window
 
@@ -242,14 +243,15 @@ class RelabelledLaw(AbstractLaw):
                 "shards. Use another strategy there."
             )
         drawn = self.base.draw(key, batch_size, summaries)
-        keys = jax.random.split(jax.random.fold_in(key, _GOAL_STREAM), batch_size)
-        return Draw(drawn.owner, (drawn.at, keys))
+        # Two random words per row: one call (a key per row would cost a hash per row).
+        bits = jax.random.bits(jax.random.fold_in(key, _GOAL_STREAM), (batch_size, 2), jnp.uint32)
+        return Draw(drawn.owner, (drawn.at, bits))
 
     def read(self, buffer: Any, at: PyTree[Array]) -> PyTree[Array]:
-        base_at, keys = at
+        base_at, bits = at
         rows = self.base.read(buffer, base_at)
         inner = rows.sample if _wrapped(rows) else rows
-        inner, relabelled, goal_env, goal_step = self._relabel(buffer.streams, inner, keys)
+        inner, relabelled, goal_env, goal_step = self._relabel(buffer.streams, inner, bits)
         rows = rows._replace(sample=inner) if _wrapped(rows) else inner
         return rows, relabelled, goal_env, goal_step
 
@@ -270,10 +272,10 @@ class RelabelledLaw(AbstractLaw):
     # --- the goals -----------------------------------------------------------------------------
 
     def _relabel(
-        self, streams: Streams, rows: SequenceSample | Transitions, keys: Key[Array, " batch"]
+        self, streams: Streams, rows: SequenceSample | Transitions, bits: UInt32[Array, "batch 2"]
     ) -> tuple[Any, Bool[Array, " batch"], Int[Array, " batch"], Int[Array, " batch"]]:
         relabel = self.relabel
-        batch = keys.shape[0]
+        batch = bits.shape[0]
         chosen = jnp.arange(batch) >= batch - relabel.rows(batch)
         env = rows.env
         if isinstance(rows, SequenceSample):
@@ -288,12 +290,12 @@ class RelabelledLaw(AbstractLaw):
         info = episodes_of(streams, env, anchor)
         ok = chosen & stored & ~info.reset & (info.ended | relabel.running)
         if relabel.strategy == "random":
-            goal_env, goal_step, some = _random_goals(streams, keys)
+            goal_env, goal_step, some = _random_goals(streams, bits)
             ok = chosen & stored & some
         else:
             oldest = streams.step_count[env] - streams.lengths[env]
             goal_env = env
-            goal_step = _goal_steps(relabel, keys, anchor, info.first, info.last, oldest)
+            goal_step = _goal_steps(relabel, bits, anchor, info.first, info.last, oldest)
         goal_step = jnp.where(ok, goal_step, -1)
         goal_env = jnp.where(ok, goal_env, -1)
         slot = jnp.maximum(goal_step, 0) % streams.max_length
@@ -308,7 +310,7 @@ class RelabelledLaw(AbstractLaw):
 
 
 def _random_goals(
-    streams: Streams, keys: Key[Array, " batch"]
+    streams: Streams, bits: UInt32[Array, "batch 2"]
 ) -> tuple[Int[Array, " batch"], Int[Array, " batch"], Bool[Array, ""]]:
     """Per row, a stored step of any env that belongs to an episode, uniformly: `(env, step)`,
     and whether there is any. The `r`-th such step over the envs in order is found by its
@@ -325,7 +327,9 @@ def _random_goals(
     counts = jnp.where(streams.lengths > 0, end - low, 0)
     ends = jnp.cumsum(counts)
     total = ends[-1]
-    r = jax.vmap(lambda k: jax.random.randint(k, (), 0, jnp.maximum(total, 1)))(keys)
+    r = uniform_below(
+        bits[:, 0], bits[:, 1], jnp.broadcast_to(jnp.maximum(total, 1), bits.shape[:1])
+    )
     env = jnp.searchsorted(ends, r, side="right", method="compare_all").astype(jnp.int32)
     env = jnp.minimum(env, streams.num_envs - 1)
     target = low[env] + r - (ends - counts)[env]
@@ -351,7 +355,7 @@ def _wrapped(rows: Any) -> bool:
 
 def _goal_steps(
     relabel: Relabel,
-    keys: Key[Array, " batch"],
+    bits: UInt32[Array, "batch 2"],
     anchor: Int[Array, " batch"],
     first: Int[Array, " batch"],
     last: Int[Array, " batch"],
@@ -367,7 +371,7 @@ def _goal_steps(
     else:  # geometric: i in [0, L] with P(i) ∝ γ^i, by inverse CDF
         assert relabel.discount is not None
         span = (jnp.maximum(last - anchor, 0) + 1).astype(jnp.float32)
-        u = jax.vmap(lambda k: jax.random.uniform(k, ()))(keys)
+        u = unit_float(bits[:, 0])
         log_g = math.log(relabel.discount)
         # P(i <= x) = (1 - γ^(x + 1)) / (1 - γ^(L + 1)): i = floor(log(1 - u (1 - γ^(L+1)))
         # / log γ), clipped against rounding.
@@ -376,8 +380,7 @@ def _goal_steps(
         i = jnp.clip(i, 0, span - 1).astype(jnp.int32)
         return anchor + i
     span = jnp.maximum(last - lo, 0) + 1
-    offset = jax.vmap(lambda k, n: jax.random.randint(k, (), 0, n))(keys, span)
-    return lo + offset
+    return lo + uniform_below(bits[:, 0], bits[:, 1], span)
 
 
 def _set_leaf(tree: Any, name: LeafName, value: Array) -> Any:

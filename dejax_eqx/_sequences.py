@@ -69,7 +69,7 @@ class _Table(NamedTuple):
     log_env: Float[Array, " num_envs"]  # log W_e
 
 
-def _unit_float(bits: UInt32[Array, " n"]) -> Float[Array, " n"]:
+def unit_float(bits: UInt32[Array, " n"]) -> Float[Array, " n"]:
     """Uniform floats in [0, 1) from random bits, as `jax.random.uniform` makes them: 23 random
     mantissa bits under the exponent of 1.0, minus 1. The largest value is 1 - 2**-23."""
     one = jnp.asarray(0x3F800000, jnp.uint32)
@@ -105,7 +105,7 @@ def _count_strided_at_most(
     return lo
 
 
-def _below(
+def uniform_below(
     high: UInt32[Array, " n"], low: UInt32[Array, " n"], n: Int[Array, " n"]
 ) -> Int[Array, " n"]:
     """A random integer in [0, n) from two random words (0 where n is 0).
@@ -263,7 +263,7 @@ def starts_from_bits(
     """
     size, period = law.size, law.period
     table = _table(lengths, phase, law, power)
-    u_env, u_kind = _unit_float(bits[0]), _unit_float(bits[1])
+    u_env, u_kind = unit_float(bits[0]), unit_float(bits[1])
 
     # The env, by inverse CDF over W_e scaled so that the largest is 1. An env of weight 0
     # adds exactly 0 to the running sum, so no x lands in it: `_count_at_most` picks e with
@@ -284,7 +284,7 @@ def starts_from_bits(
     # With no full start, x >= G[r_last] = W_e only by rounding: it belongs to the last tail.
     is_full = (below == n) & (full > 0)
     tail_r = first + jnp.maximum(jnp.minimum(below, n - 1), 0) * period
-    pick = _below(bits[2], bits[3], full)
+    pick = uniform_below(bits[2], bits[3], full)
     back = jnp.where(is_full, table.full_back[env] + pick * period, tail_r)
     some = (full > 0) | (n > 0)
     back = jnp.where(some, back, 0)
