@@ -396,6 +396,13 @@ def test_a_global_buffer_relabels_as_one_buffer_of_every_env(what):
     key = jax.random.key(3)
     got, want = eqx.filter_jit(ask)(glob, key), eqx.filter_jit(ask)(single, key)
     assert int(np.asarray(got.relabelled).sum()) == 12
+    # And rate-limited: the limiter lets the sample through and the rows are the same.
+    limiter = dx.RateLimiter.min_size(1, sample_batch_size=16)
+    limited = dx.RateLimited(glob, limiter)
+    limited = eqx.tree_at(lambda r: r.limiter, limited, limiter.with_counts(13 * 4, 0))
+    _, again = eqx.filter_jit(ask)(limited, key)
+    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(want)):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
     with pytest.raises(TypeError, match="other shards"):
         glob.sample(key, 4, dx.Window(1), relabel=_relabel("random"))
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
