@@ -269,9 +269,9 @@ def test_draw_starts_is_starts_from_bits_on_the_key_s_words():
 
 
 def test_random_number_helpers():
-    from dejax_eqx._sequences import _below, _unit_float
+    from dejax_eqx._sequences import uniform_below, unit_float
 
-    below, unit_float = jax.jit(_below), jax.jit(_unit_float)  # one compilation each
+    below, unit_float = jax.jit(uniform_below), jax.jit(unit_float)  # one compilation each
     rng = np.random.default_rng(0)
     high, low = (rng.integers(0, 2**32, 5000, dtype=np.uint64).astype(np.uint32) for _ in "hl")
     for n in [0, 1, 2, 3, 7, 1000, 2**16 - 1, 2**16, 2**16 + 1, 2**31 - 1]:
