@@ -68,6 +68,12 @@ _Int = Integer[ArrayLike, ""]  # an env id or a step number: what `sample` retur
 _BEFORE_COMMIT: Any = None
 
 
+def dataset_of(source: Any) -> "Dataset | None":
+    """`source` if it is a `Dataset` (an open one), else `None`: for the callers that take a
+    dataset or something else in its place (a path, a buffer)."""
+    return source if isinstance(source, Dataset) else None
+
+
 def _spec_of_like(like: Any, call: str) -> PyTree[jax.ShapeDtypeStruct]:
     if isinstance(like, AbstractTrajectoryBuffer):
         return like.item_spec

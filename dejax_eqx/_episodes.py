@@ -20,7 +20,7 @@ Per env, the number of episodes begun and what its next step is (`pending`): `0`
 step of the running episode, `1` the first step of a new one, `2` an auto-reset step.
 """
 
-from typing import Literal
+from typing import Any, Literal
 
 import equinox as eqx
 import jax
@@ -95,6 +95,13 @@ class Episodes(eqx.Module):
         for flag in flags[1:]:
             out = out | flag
         return out
+
+
+def checked_episodes(episodes: Any, call: str) -> "Episodes":
+    """`episodes` if it is an `Episodes`, else a `TypeError` quoting `call`."""
+    if not isinstance(episodes, Episodes):
+        raise TypeError(f"`{call}(episodes=...)` must be a `dx.Episodes`, got {episodes!r}.")
+    return episodes
 
 
 class EpisodeInfo(eqx.Module):

@@ -8,17 +8,17 @@ dataset again on its first read.
 
 import os
 import threading
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
 from jaxtyping import PyTree
 
 from ._checks import pick_leaf
-from ._dataset import Dataset
+from ._dataset import Dataset, dataset_of
 from ._dataset_files import TIME_AXIS
 from ._sequences import whole_windows
-from ._windows import Window
+from ._windows import as_window, Window
 
 
 class WindowSource:
@@ -74,17 +74,18 @@ class WindowSource:
         `ValueError` for one whose `done` does not name bool leaves of the steps.
         """
         call = "WindowSource"
-        if not isinstance(dataset, Dataset):
+        opened = dataset_of(dataset)
+        if opened is None:
             if like is None:
                 raise TypeError(
                     f"`{call}`: a dataset given by path needs `like` (its step prototype, or a "
                     "buffer), as `Dataset.open` does."
                 )
-            dataset = Dataset.open(dataset, like)
+            opened = Dataset.open(cast(str | os.PathLike, dataset), like)
         elif like is not None:
             raise ValueError(f"`{call}(like=...)` is for a dataset given by path; leave it out.")
-        if not isinstance(window, Window):
-            raise TypeError(f"`{call}(window=...)` must be a `dx.Window`, got {window!r}.")
+        dataset = opened
+        window = as_window(window, {}, f"{call}(window=...)")
         window.check(dataset.item_spec, TIME_AXIS, call)
         self._path = dataset.path
         self._spec = dataset.item_spec

@@ -25,7 +25,7 @@ from jaxtyping import PyTree
 
 from ._abstract import AbstractTrajectoryBuffer
 from ._checks import as_prototype, check_bool, check_positive_int
-from ._dataset import Dataset
+from ._dataset import Dataset, dataset_of
 from ._streams import gather_steps
 
 
@@ -517,7 +517,9 @@ class _Stream:
 
 def _streams_of(source: Any, call: str) -> tuple[PyTree, list[_Stream]]:
     """The step spec of `source` (a `Dataset` or a trajectory buffer) and a reader per env."""
-    if isinstance(source, Dataset):
+    dataset = dataset_of(source)
+    if dataset is not None:
+        source = dataset
         read = lambda e: lambda lo, hi: jax.tree.leaves(source.read(e, lo, hi))  # noqa: E731
         first, end = source.starts, source.ends
         return source.item_spec, [

@@ -8,7 +8,7 @@ streams' bookkeeping (`_episodes.py`): O(1) per row."""
 
 import math
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple
+from typing import Any, cast, Literal, NamedTuple
 
 import equinox as eqx
 import jax
@@ -278,10 +278,9 @@ class RelabelledLaw(AbstractLaw):
         batch = bits.shape[0]
         chosen = jnp.arange(batch) >= batch - relabel.rows(batch)
         env = rows.env
-        if isinstance(rows, SequenceSample):
-            assert self.window is not None
+        if self.window is not None:  # windows: `rows` is a SequenceSample
             anchor = rows.start + self.window.burn_in
-            stored = rows.mask[:, self.window.burn_in]
+            stored = cast(SequenceSample, rows).mask[:, self.window.burn_in]
         else:
             anchor, stored = rows.start, jnp.ones(batch, bool)
         # Any stored step stands in for an anchor that is not, whose row is not relabelled.
@@ -301,10 +300,11 @@ class RelabelledLaw(AbstractLaw):
         slot = jnp.maximum(goal_step, 0) % streams.max_length
         leaf = pick_leaf(streams.data, relabel.achieved)
         achieved = gather_at(streams, jnp.maximum(goal_env, 0), slot, data=leaf)
-        if isinstance(rows, SequenceSample):
-            new = _relabel_windows(relabel, rows, achieved, ok)
+        if self.window is not None:
+            new = _relabel_windows(relabel, cast(SequenceSample, rows), achieved, ok)
         else:
             assert self.nstep is not None and self.gamma is not None
+            rows = cast(Transitions, rows)
             new = _relabel_transitions(relabel, streams, rows, achieved, ok, self.nstep, self.gamma)
         return new, ok, goal_env, goal_step
 
@@ -350,7 +350,7 @@ def _random_goals(
 
 def _wrapped(rows: Any) -> bool:
     """Whether `rows` carry their windows in a `sample` field (a prioritised sample)."""
-    return hasattr(rows, "_replace") and isinstance(getattr(rows, "sample", None), SequenceSample)
+    return hasattr(rows, "_replace") and hasattr(rows, "sample")
 
 
 def _goal_steps(
@@ -495,6 +495,6 @@ def relabelled_law(
             f"`{call}`: `relabel` and `age` do not combine yet; sample with one of them."
         )
     relabel.check(streams.item_spec, call)
-    if isinstance(what, NStep):
-        return RelabelledLaw(law, relabel, None, what, gamma)
-    return RelabelledLaw(law, relabel, what, None, None)
+    if gamma is not None:  # an n-step law's discount: `what` is an NStep
+        return RelabelledLaw(law, relabel, None, cast(NStep, what), gamma)
+    return RelabelledLaw(law, relabel, cast(Window, what), None, None)

@@ -22,7 +22,7 @@ from ._checks import (
     Prototype,
     spec_of,
 )
-from ._episodes import EpisodeBook, EpisodeInfo, Episodes
+from ._episodes import checked_episodes, EpisodeBook, EpisodeInfo, Episodes
 from ._faults import check_faults, Fault, veto, vetoing
 from ._storage import ring_add, ring_sub
 from ._writes import scatter_at, scatter_rows
@@ -213,8 +213,7 @@ def _book(
 ) -> EpisodeBook | None:
     if episodes is None:
         return None
-    if not isinstance(episodes, Episodes):
-        raise TypeError(f"`{call}(episodes=...)` must be a `dx.Episodes`, got {episodes!r}.")
+    episodes = checked_episodes(episodes, call)
     episodes.check(spec, call)
     return EpisodeBook(episodes, num_envs, max_length)
 
