@@ -449,7 +449,7 @@ def _relabel_transitions(
         truncated = steps(nstep.truncated)
     returns, discount, taken = n_step(rewards, terminated, truncated, gamma)
     following = jnp.take_along_axis(slots, taken[:, None], axis=1)[:, 0]
-    first = gather_at(streams, rows.env, slots[:, 0])
+    first = rows.first  # the start as the base law read it
     nxt = gather_at(streams, rows.env, following)
     first = _relabelled_step(relabel, first, goal)
     nxt = _set_leaf(nxt, relabel.goal, goal)
