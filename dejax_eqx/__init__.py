@@ -31,6 +31,7 @@ from ._minari import (
     MinariWritten as MinariWritten,
     to_minari as to_minari,
 )
+from ._mixture import MixedSample as MixedSample, Mixture as Mixture, Part as Part
 from ._nstep import NStep as NStep, Transitions as Transitions
 from ._policy_age import AgedLaw as AgedLaw, AgedSample as AgedSample, PolicyAge as PolicyAge
 from ._priorities import (

@@ -1,5 +1,5 @@
 import abc
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple, TypeVar
 
 import equinox as eqx
@@ -736,7 +736,26 @@ class AbstractTrajectoryBuffer(AbstractBuffer):
             relabel=relabel,
             call=call,
         )
-        return sample_with(law, self, key, batch_size, faults, call)
+        return self.sample_by(law, key, batch_size, faults, call)[1]
+
+    def sample_by(
+        self: _T,
+        law: AbstractLaw,
+        key: PRNGKeyArray,
+        batch_size: int,
+        faults: Sequence[Fault],
+        call: str,
+        *,
+        rows: Int[Array, ""] | None = None,
+    ) -> tuple[_T, Any]:
+        """`batch_size` rows drawn by `law` (this buffer's, from `law(...)`, or one made over
+        it), the `faults` of its arguments and of the draw checked: what `sample` does, for
+        the layers that draw by a law of their own making (a mixture's part). `rows`: how
+        many of the rows are used (traced; a layer that counts samples counts those).
+
+        **Returns:** `(buffer, sample)`: the buffer after the draw (a layer that counts
+        samples has counted them; otherwise this buffer) and the sample."""
+        return self, sample_with(law, self, key, batch_size, faults, call)
 
     # --- names: env ids, for the calls that take stamps back ---------------------------------
 

@@ -2,7 +2,7 @@
 across processes."""
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
-from jaxtyping import Array, ArrayLike, Bool, Integer, PRNGKeyArray, PyTree, Real
+from jaxtyping import Array, ArrayLike, Bool, Int, Integer, PRNGKeyArray, PyTree, Real
 
 from ._abstract import AbstractTrajectoryBuffer, Source
 from ._checks import (
@@ -253,6 +253,20 @@ class GlobalTrajectoryBuffer(AbstractGlobalBuffer, AbstractTrajectoryBuffer):
             call=call,
         )
         return self._sample_union(law, faults, key, batch_size, call)
+
+    def sample_by(
+        self: _T,
+        law: AbstractLaw,
+        key: PRNGKeyArray,
+        batch_size: int,
+        faults: Sequence[Fault],
+        call: str,
+        *,
+        rows: Int[Array, ""] | None = None,
+    ) -> tuple[_T, Any]:
+        """`batch_size` rows drawn by `law` (a shard's) over every shard, as `sample` draws
+        (see `AbstractTrajectoryBuffer.sample_by`)."""
+        return self, self._sample_union(law, list(faults), key, batch_size, call)
 
     @reports
     def pop(self: _T, sequence_length: int) -> tuple[PyTree[Array], _T]:

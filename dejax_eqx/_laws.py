@@ -12,6 +12,7 @@ single buffer's draw of the buffers' contents laid end to end.
 """
 
 import abc
+import functools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -77,6 +78,14 @@ class AbstractLaw(eqx.Module):
     def faults(self, summaries: PyTree[Array], call: str) -> list[Fault]:
         """The faults of a draw from the union (nothing to draw, a total that is not
         finite), each message quoting `call`."""
+
+    @property
+    def independent_rows(self) -> bool:
+        """Whether the first `n` rows of a draw of `m >= n` rows are a draw of `n` rows by
+        this law (i.i.d. rows): what a part of a mixture needs when its number of rows is
+        traced (`KeptRows`). Not so for a stratified law (its rows split the total into
+        `m` slices) or one that treats rows by their place in the batch."""
+        return True
 
 
 def stacked(tree: PyTree[Array]) -> PyTree[Array]:
@@ -272,3 +281,63 @@ class MixedLaw(AbstractLaw):
 
     def faults(self, summaries: PyTree[Array], call: str) -> list[Fault]:
         return [f for i in self._drawn() for f in self.parts[i].faults(summaries[i], call)]
+
+    @property
+    def independent_rows(self) -> bool:
+        return False  # each part has its rows, in order
+
+
+class KeptRows(AbstractLaw):
+    """`law`, of which a batch keeps only its first `count` rows (traced): a part of a mixture
+    whose number of rows is traced, drawn at a static size. The rows past `count` repeat the
+    first row, so that what a batch is normalised over (the largest importance weight) is
+    the kept rows' alone, as in a draw of `count` rows; the faults of the draw (nothing to
+    draw) hold only when `count > 0`, for a part of no rows may be empty.
+
+    `law` must have `independent_rows` (checked by the caller, who names the part)."""
+
+    law: AbstractLaw
+    count: Int[Array, ""]
+
+    def summary(self, buffer: Any) -> PyTree[Array]:
+        return self.law.summary(buffer)
+
+    def draw(self, key: PRNGKeyArray, batch_size: int, summaries: PyTree[Array]) -> Draw:
+        drawn = self.law.draw(key, batch_size, summaries)
+        kept = jnp.arange(batch_size) < self.count
+
+        def first_past_count(x: Array) -> Array:
+            return jnp.where(kept.reshape(-1, *(1,) * (x.ndim - 1)), x, x[:1])
+
+        return jax.tree.map(first_past_count, drawn)
+
+    def read(self, buffer: Any, at: PyTree[Array]) -> PyTree[Array]:
+        return self.law.read(buffer, at)
+
+    def finish(self, rows: PyTree[Array], draw: Draw, summaries: PyTree[Array]) -> Any:
+        return self.law.finish(rows, draw, summaries)
+
+    def available(self, summaries: PyTree[Array]) -> Bool[Array, ""]:
+        return self.law.available(summaries) | (self.count == 0)
+
+    def faults(self, summaries: PyTree[Array], call: str) -> list[Fault]:
+        return [(pred & (self.count > 0), m) for pred, m in self.law.faults(summaries, call)]
+
+
+class MixtureRows(NamedTuple):
+    """A sample as a part of a mixture sees it: its rows (windows or transitions), and the
+    importance weight of each (`None` for a law without weights)."""
+
+    rows: Any
+    weights: Float[Array, " batch"] | None
+
+
+@functools.singledispatch
+def mixture_rows(sample: Any) -> MixtureRows:
+    """What a part of a mixture gives: each kind of sample registers its own (beside its
+    class), saying which of its fields are the rows and which the weights."""
+    raise TypeError(
+        f"a {type(sample).__name__} cannot be part of a mixture: a part must give windows "
+        "or n-step transitions (a `SequenceSample` or `Transitions`, or a prioritised, aged "
+        "or relabelled sample of one)."
+    )

@@ -25,6 +25,7 @@ from jaxtyping import Array, Bool, Float, Int, PyTree, Shaped
 
 from ._checks import check_leaf, check_positive_int, LeafName, pick_leaf
 from ._deprecated import as_options
+from ._laws import mixture_rows, MixtureRows
 from ._streams import gather_at, Streams, window_slots
 
 
@@ -52,6 +53,11 @@ class Transitions(NamedTuple):
     next: PyTree[Shaped[Array, "batch ..."]]
     env: Int[Array, " batch"]
     start: Int[Array, " batch"]
+
+
+@mixture_rows.register
+def _(sample: Transitions) -> MixtureRows:
+    return MixtureRows(sample, None)
 
 
 class NStep(eqx.Module):

@@ -27,6 +27,8 @@ from ._laws import (
     float_targets,
     in_union,
     locate,
+    mixture_rows,
+    MixtureRows,
     probability,
 )
 
@@ -204,6 +206,11 @@ class AgedSample(NamedTuple):
     generations: UInt32[Array, " batch"] | None = None
 
 
+@mixture_rows.register
+def _(sample: AgedSample) -> MixtureRows:
+    return MixtureRows(mixture_rows(sample.items).rows, sample.weights)
+
+
 class AgedLaw(AbstractLaw):
     """A law reweighed by policy age: the candidates of `base` of age at most `age.max_age`,
     each with its weight under `base` times its age weight (see `PolicyAge`). Drawn by
@@ -221,6 +228,10 @@ class AgedLaw(AbstractLaw):
     count: int = eqx.field(static=True)  # the base's candidates per buffer
     stratified: bool = eqx.field(static=True)
     noun: str = eqx.field(static=True)  # what a candidate is, for messages
+
+    @property
+    def independent_rows(self) -> bool:
+        return not self.stratified
 
     def __init__(
         self,

@@ -422,6 +422,10 @@ class PrioritisedLaw(AbstractEnumerableLaw):
     max_size: int = eqx.field(static=True)
     stratified: bool = eqx.field(static=True)
 
+    @property
+    def independent_rows(self) -> bool:
+        return not self.stratified
+
     def summary(self, buffer: PrioritisedReplay) -> PyTree[Array]:
         return buffer.storage.size, buffer.priorities.tree.total
 

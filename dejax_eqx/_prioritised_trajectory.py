@@ -32,6 +32,8 @@ from ._laws import (
     float_targets,
     in_union,
     locate,
+    mixture_rows,
+    MixtureRows,
     probability,
 )
 from ._nstep import NStep
@@ -87,6 +89,11 @@ class PrioritisedSequenceSample(NamedTuple):
     indices: Int[Array, " batch"]
     probabilities: Float[Array, " batch"]
     weights: Float[Array, " batch"]
+
+
+@mixture_rows.register
+def _(sample: PrioritisedSequenceSample) -> MixtureRows:
+    return MixtureRows(sample.sample, sample.weights)
 
 
 class PrioritisedTrajectoryBuffer(AbstractTrajectoryBuffer, HasPriorities):
@@ -591,6 +598,10 @@ class PrioritisedWindowLaw(AbstractEnumerableLaw):
     num_envs: int = eqx.field(static=True)
     capacity: int = eqx.field(static=True)  # the leaves of one buffer
     stratified: bool = eqx.field(static=True)
+
+    @property
+    def independent_rows(self) -> bool:
+        return not self.stratified
 
     def summary(self, buffer: PrioritisedTrajectoryBuffer) -> PyTree[Array]:
         return buffer.priorities.tree.total, buffer.num_windows

@@ -18,7 +18,7 @@ this one did* since the last sample (summed over the shards, that keeps the glob
 within `max_diff`). With equal blocks, as `rows` makes them, that is the law exactly.
 """
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import equinox as eqx
@@ -279,10 +279,12 @@ class RateLimited(eqx.Module, metaclass=_ByFamily):
         (pending,), _ = buffer.map_shards(_count_share, (self.pending,), shared)
         return eqx.tree_at(lambda r: (r.buffer, r.pending), self, (buffer, pending))
 
-    def _sampled(self: _W, rows: int, call: str) -> _W:
-        """This `RateLimited` after a sample of `rows` rows, checked by the exact counts."""
+    def _sampled(self: _W, rows: int | Int[Array, ""], call: str) -> _W:
+        """This `RateLimited` after a sample of `rows` rows, checked by the exact counts (a
+        traced count of 0 is no sample, and never refused)."""
         if self.pending.shape[0] == 1:
-            return eqx.tree_at(lambda r: r.limiter, self, count_samples(self.limiter, rows, call))
+            limiter = count_samples(self.limiter, rows, call, some=not isinstance(rows, int))
+            return eqx.tree_at(lambda r: r.limiter, self, limiter)
         shared = (self.limiter, rows, call)
         (pending,), limiter = self.buffer.map_shards(_fold_and_sample, (self.pending,), shared)
         return eqx.tree_at(lambda r: (r.pending, r.limiter), self, (pending, limiter))
@@ -420,8 +422,8 @@ def _fold_and_sample(
     counts = pending if axis is None else _gathered(pending, axis, shards)
     for k in range(shards):  # a handful of shards: 64-bit sums, word by word
         limiter = folded_inserts(limiter, counts[k], call)
-    if rows:
-        limiter = count_samples(limiter, rows, call)
+    if not isinstance(rows, int) or rows:
+        limiter = count_samples(limiter, rows, call, some=not isinstance(rows, int))
     return (jnp.zeros_like(pending)[None],), limiter
 
 
@@ -740,6 +742,20 @@ class RateLimitedTrajectoryBuffer(RateLimited, AbstractTrajectoryBuffer):
             relabel=relabel,
         )
         return limited, out
+
+    def sample_by(
+        self: _RT,
+        law: AbstractLaw,
+        key: PRNGKeyArray,
+        batch_size: int,
+        faults: Sequence[Fault],
+        call: str,
+        *,
+        rows: Int[Array, ""] | None = None,
+    ) -> tuple[_RT, Any]:
+        """The buffer's `sample_by`, counted: `rows` rows (traced), or `batch_size`."""
+        limited = self._sampled(batch_size if rows is None else rows, call)
+        return limited, self.buffer.sample_by(law, key, batch_size, faults, call, rows=rows)[1]
 
     @reports
     def pop(self: _RT, sequence_length: int) -> tuple[PyTree[Array], _RT]:

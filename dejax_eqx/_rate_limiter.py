@@ -432,15 +432,18 @@ def folded_inserts(limiter: _L, n: UInt32[Array, ""], call: str) -> _L:
     return eqx.tree_at(lambda r: (r.inserts, r.balance), limiter, (inserts, balance))
 
 
-def count_samples(limiter: _L, n: Integer[ArrayLike, ""], call: str) -> _L:
-    """`limiter` after a sample of `n` rows, checked as `count_inserts` checks inserts."""
+def count_samples(limiter: _L, n: Integer[ArrayLike, ""], call: str, *, some: bool = False) -> _L:
+    """`limiter` after a sample of `n` rows, checked as `count_inserts` checks inserts. With
+    `some`, a sample of 0 rows is no sample, and the law never refuses it (a mixture's part
+    whose traced count is 0)."""
     amount, faults = checked_amount(n, limiter.sample_batch_size, call, "sample", "rows")
     rate = limiter.rate
     samples, big = add_product(limiter.samples, amount, 1)
     balance, wide = sub_product(limiter.balance, amount, rate.scale)
+    refused = ~sampleable(limiter, amount)
     faults = [
         *faults,
-        (~sampleable(limiter, amount), f"`{call}`: {_refused_sample(rate)}"),
+        (refused & (amount > 0) if some else refused, f"`{call}`: {_refused_sample(rate)}"),
         (big | _outside(balance, wide), f"`{call}`: {_OVERFLOW}"),
     ]
     samples, balance = check_faults(

@@ -17,7 +17,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, PyTree, UInt32
 
 from ._checks import check_leaf, LeafName, pick_leaf
 from ._faults import Fault
-from ._laws import AbstractLaw, Draw, single
+from ._laws import AbstractLaw, Draw, mixture_rows, MixtureRows, single
 from ._nstep import n_step, NStep, Transitions
 from ._sequences import uniform_below, unit_float
 from ._streams import episodes_of, gather_at, Streams
@@ -222,6 +222,11 @@ class Relabelled(NamedTuple):
     goal_step: Int[Array, " batch"]
 
 
+@mixture_rows.register
+def _(sample: Relabelled) -> MixtureRows:
+    return mixture_rows(sample.sample)
+
+
 class RelabelledLaw(AbstractLaw):
     """`base`, a trajectory buffer's law of windows (`window`) or of n-step transitions
     (`nstep`, `gamma`), with the last rows of each batch relabelled by `relabel`."""
@@ -268,6 +273,10 @@ class RelabelledLaw(AbstractLaw):
 
     def faults(self, summaries: PyTree[Array], call: str) -> list[Fault]:
         return self.base.faults(summaries, call)
+
+    @property
+    def independent_rows(self) -> bool:
+        return False  # the last rows of a batch are relabelled
 
     # --- the goals -----------------------------------------------------------------------------
 

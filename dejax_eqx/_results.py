@@ -146,6 +146,10 @@ _TEXTS: dict[str, str] = {
         "balance within ±2**62); a bound (`min_diff`, `max_diff`) that holds the balance "
         "keeps it there"
     ),
+    # Mixtures.
+    "bad_fractions": "every fraction must be finite and non-negative",
+    "fractions_sum": "the fractions must sum to 1 (within …)",
+    "past_max_fraction": "part … was given more rows than its max_fraction = … allows (… of …)",
     # The flashbax layer's own.
     "flashbax_no_window": (
         "an index names no window: indices must be sum-tree leaves in [0, …) whose window has "
@@ -224,6 +228,9 @@ class RESULTS(eqx.Enumeration):
     insert_too_large = _TEXTS["insert_too_large"]
     sample_too_large = _TEXTS["sample_too_large"]
     rate_counters_overflow = _TEXTS["rate_counters_overflow"]
+    bad_fractions = _TEXTS["bad_fractions"]
+    fractions_sum = _TEXTS["fractions_sum"]
+    past_max_fraction = _TEXTS["past_max_fraction"]
     flashbax_no_window = _TEXTS["flashbax_no_window"]
     flashbax_depth_level = _TEXTS["flashbax_depth_level"]
     flashbax_node_index = _TEXTS["flashbax_node_index"]

@@ -21,6 +21,7 @@ from ._checks import (
     pick_leaf,
 )
 from ._deprecated import as_options
+from ._laws import mixture_rows, MixtureRows
 from ._sequences import Law
 from ._streams import gather_steps, Streams
 
@@ -64,6 +65,11 @@ class SequenceSample(NamedTuple):
     def stamp(self) -> tuple[Int[Array, " batch"], Int[Array, " batch"]]:
         """`(env, start)`: what `stale` and `read` take."""
         return self.env, self.start
+
+
+@mixture_rows.register
+def _(sample: SequenceSample) -> MixtureRows:
+    return MixtureRows(sample, None)
 
 
 class Window(eqx.Module):

@@ -671,6 +671,8 @@ _REPLAY_WITHOUT_PRIORITIES = {
 _TRAJECTORY_PROTOCOL = {
     **_PROTOCOL,
     "split_envs": f"how an env id maps to its shard ({_LAYERS})",
+    "sample_by": "the step of `sample` that evaluates a law, for a mixture's parts "
+    "(tests/test_mixture.py: plain, prioritised, rate-limited and global parts)",
 }
 _TRAJECTORY_WITHOUT_PRIORITIES = {
     "set_priorities": _NO_PRIORITIES,

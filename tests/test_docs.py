@@ -352,6 +352,11 @@ def _exercise_every_fault_site() -> None:
         # With `throw=False` the law judges an insert before it is written.
         recording = dx.RateLimited(uniform.with_throw(False), limited.limiter)
         recording.add(item).sample(key, 1)
+        # A mixture: traced fractions (their range), a part with a `max_fraction`.
+        mixture = dx.Mixture(
+            {"a": dx.Part("t", dx.Window(2), max_fraction=0.5), "b": dx.Part("t", dx.Window(2))}
+        )
+        mixture.sample(key, 2, {"t": trajectories}, jnp.array([0.5, 0.5]))
 
     def flashbax_layer(key):
         rollout = jax.tree.map(lambda x: jnp.stack([x, x])[:, None], item)  # [2 rows, 1 step]
