@@ -386,9 +386,12 @@ def test_a_donated_step_draws_a_mixture_and_adds():
         xs = (jax.random.split(key, 6), jnp.arange(6, dtype=jnp.float32))
         return jax.lax.scan(one, buffers, xs)
 
-    buffers, counts = steps(jax.random.key(0), {"off": _plain(seed=3), "on": _plain()})
+    # Fresh buffers (not the cached ones): these are donated.
+    fresh = {"off": _plain.__wrapped__(seed=3), "on": _plain.__wrapped__()}
+    taken = int(fresh["on"].step_count.sum())
+    buffers, counts = steps(jax.random.key(0), fresh)
     assert np.asarray(counts)[:, 0].tolist() == [4, 3, 2, 1, 0, 0]
-    assert int(buffers["on"].step_count.sum()) == int(_plain().step_count.sum()) + 6 * NUM_ENVS
+    assert int(buffers["on"].step_count.sum()) == taken + 6 * NUM_ENVS
 
 
 def test_faults_of_a_mixture():
