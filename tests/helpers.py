@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import scipy.stats
 from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine
 
 
 class Transition(NamedTuple):
@@ -257,3 +258,16 @@ def rotation(
         else (lambda v: pytest.param(v, marks=SLOW))
     )
     return [v if i in fast else slow(v) for i, v in enumerate(values)]
+
+
+def machine_tests(machine: type[RuleBasedStateMachine], share: int = 4) -> tuple[type, type]:
+    """The tests of a hypothesis state machine: a quick one with `1/share` of its runs (at
+    least 2) in the README's test command, and one with all of them, marked `slow`.
+
+    Each run of a machine draws a configuration of the buffer and compiles its functions for
+    it: most of a machine's time. The slow tier keeps every run of the profile (8 in `ci`).
+    """
+    full = machine.TestCase
+    runs = max(2, full.settings.max_examples // share)
+    quick = type("Quick", (full,), {"settings": settings(full.settings, max_examples=runs)})
+    return quick, SLOW(type("Full", (full,), {}))

@@ -17,6 +17,7 @@ from .helpers import (
     assert_frequencies,
     assert_tree_equal,
     enable_x64,
+    machine_tests,
     random_batch,
     random_item,
     rotation,
@@ -138,7 +139,7 @@ class ClusteredReplayMachine(ItemRules, SampleSupportRule):
                 assert_tree_equal(jax.tree.map(lambda x: x[c, i], slots), expected)
 
 
-TestClusteredReplayMachine = ClusteredReplayMachine.TestCase
+TestClusteredReplayMachine, TestClusteredReplayMachineFull = machine_tests(ClusteredReplayMachine)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,6 +199,8 @@ def test_sampling_matches_exact_probabilities(power):
     _check_frequencies(_draws(replay, jax.random.key(int(power * 10))), model)
 
 
+# Clusters of clusters: the slow tier (one level's law runs in the default tier, above).
+@SLOW
 def test_nested_clusters_sample_with_the_product_of_probabilities():
     # Any AbstractReplay is an inner replay, a ClusteredReplay too: the outer replay splits by
     # label // 1000 (power 1), each of its clusters by label parity (power 0).
@@ -217,6 +220,9 @@ def test_nested_clusters_sample_with_the_product_of_probabilities():
     _check_frequencies(_draws(replay, jax.random.key(3)), model)
 
 
+# Batch sizes of clustered draws: tests/test_compat_dejax.py's
+# test_clustered_sampling_takes_any_batch_size in the default tier; these, in the slow tier.
+@SLOW
 def test_any_batch_size_works():
     # dejax refused batch sizes whose per-cluster shares do not round to the total.
     replay, _ = _labelled(2, 0.0, [4, 4], *_uniform(8))
@@ -292,6 +298,8 @@ class IndexedLaw(AbstractLaw):
         return [(jnp.sum(summaries) == 0, f"`{call}`: empty")]
 
 
+# Structured draws: the slow tier.
+@SLOW
 def test_rows_of_structured_draws_stay_together():
     # Each row of a NamedTuple draw (item, index, probability) must come whole from one cluster.
     uniform, uniform_model = _uniform(8)
@@ -354,7 +362,11 @@ def test_prioritised_inner_samples_cluster_then_priority(power):
     _check_frequencies(drawn.items, model)
 
 
-@pytest.mark.parametrize("power", rotation([0.0, 1.0], 0, keep=1))
+# The prioritised inner replay's law runs in the default tier (above); this edge of it, and
+# the other dtype, stale-update and empty-replay checks marked `slow` below, in CI's slow tier
+# (tests/helpers.py).
+@SLOW
+@pytest.mark.parametrize("power", [0.0, 1.0])
 def test_prioritised_inner_never_draws_a_cluster_whose_items_all_have_priority_0(power):
     # Cluster 0 holds 5 items, all of priority 0 after the update: it is not chosen (its
     # rows would be items of probability 0); cluster 1 takes every draw.
@@ -395,6 +407,7 @@ def test_prioritised_inner_set_priorities_errors():
         uniform.set_priorities((jnp.asarray([0]), jnp.asarray([0])), good)
 
 
+@SLOW
 def test_prioritised_inner_set_priorities_takes_priorities_in_their_own_dtype():
     # An int64 priority of 2**32 is not wrapped to 0 on the way to the inner replay, which
     # converts it; one too large for the inner tree's float32 is refused.
@@ -469,6 +482,7 @@ def test_masked_out_items_need_no_valid_id():
         _add_batch_masked(replay, items, np.array([True, False, True, True]))
 
 
+@SLOW
 def test_ids_are_checked_in_their_own_dtype():
     # uint32 ids above 2**31 would wrap to negative int32 values; they are errors all the same.
     replay = _id_replay(jnp.uint32, 3)
@@ -489,6 +503,7 @@ def test_ids_are_checked_in_their_own_dtype():
         _add_batch(replay, _id_items([-128, 0], np.int8))
 
 
+@SLOW
 def test_sampling_an_empty_replay_is_an_error():
     replay = _id_replay(jnp.int32, 3)
     for sample in [lambda r, k: r.sample(k, 4), eqx.filter_jit(lambda r, k: r.sample(k, 4))]:
@@ -581,6 +596,9 @@ def _items(n, start=0):
     }
 
 
+# One compilation per configuration: tests/test_transforms.py's donation test in the default
+# tier; a clustered replay's cluster function, in the slow tier.
+@SLOW
 def test_same_function_compiles_once_a_fresh_lambda_retraces():
     traces = []
 
@@ -598,6 +616,7 @@ def test_same_function_compiles_once_a_fresh_lambda_retraces():
     assert len(traces) == 2
 
 
+@SLOW
 def test_prioritised_inner_drops_stale_priority_updates():
     replay, _ = _prioritised(1.0)
     drawn = eqx.filter_jit(lambda r, k: r.sample(k, 64))(replay, jax.random.key(3))

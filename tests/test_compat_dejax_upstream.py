@@ -17,6 +17,8 @@ import chex
 import dejax_eqx.compat.dejax as compat
 import pytest
 
+from .helpers import SLOW
+
 
 UPSTREAM = Path(__file__).parent / "dejax_upstream"
 
@@ -72,8 +74,14 @@ def test_the_upstream_files_are_unchanged_and_all_found():
     assert sorted(p.name for p in UPSTREAM.glob("test_*.py")) == sorted(FILES)
 
 
+# The first test of each upstream file in the default tier, every one in the slow tier.
 @pytest.mark.parametrize(
-    "filename, name", CASES, ids=[f"{Path(f).stem}::{name}" for f, name in CASES]
+    "filename, name",
+    [
+        case if i == 0 or case[0] != CASES[i - 1][0] else pytest.param(*case, marks=SLOW)
+        for i, case in enumerate(CASES)
+    ],
+    ids=[f"{Path(f).stem}::{name}" for f, name in CASES],
 )
 def test_upstream(as_dejax: None, filename: str, name: str):
     getattr(_load(filename), name)()

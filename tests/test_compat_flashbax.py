@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from .helpers import assert_frequencies
+from .helpers import assert_frequencies, SLOW
 
 
 STEP = {"obs": jnp.zeros(2), "t": jnp.zeros((), jnp.int32)}
@@ -191,6 +191,8 @@ def test_flat_and_item_adds_cast_nothing():
         assert out.dtype == np.asarray(x).dtype and out.tolist() == [np.asarray(x).tolist()]
 
 
+# A dtype edge case: the slow tier.
+@SLOW
 def test_set_priorities_checks_indices_and_priorities_in_their_own_dtype():
     buffer = fbx.make_prioritised_item_buffer(max_length=8, min_length=1, sample_batch_size=2)
     state = buffer.init({"obs": jnp.zeros(())})

@@ -289,6 +289,10 @@ def test_a_queue_is_written_and_loaded_as_its_streams(tmp_path):
     assert loaded.step_count.tolist() == [11, 11] and loaded.unread.tolist() == [0, 0]
 
 
+# Prioritised datasets: their masses are committed and kept in the default tier
+# (tests/test_dataset_faults.py, test_a_failed_prioritised_write_keeps_the_committed_masses),
+# loaded back in the slow one (above, and this refusal).
+@SLOW
 def test_load_refuses_other_priority_settings(tmp_path):
     _, ds = _prioritised_history(tmp_path)
     other = dx.PrioritisedTrajectoryBuffer(STEP, 3, 12, WINDOW, priority_exponent=0.5)
@@ -439,6 +443,8 @@ def test_a_manifest_with_bad_fields_is_refused_naming_it(tmp_path, change, messa
     assert message in str(error.value)
 
 
+# An error edge of reading: the slow tier.
+@SLOW
 def test_a_segment_outside_the_stored_steps_is_refused(tmp_path):
     _, ds = _prioritised_history(tmp_path)
     segment = lambda body: body["segments"][-1]["count"].__setitem__(0, 1000)  # noqa: E731
@@ -570,6 +576,8 @@ def test_a_failed_prioritised_write_keeps_the_committed_masses(tmp_path, monkeyp
 FORMAT1 = ROOT / "tests" / "data" / "dataset_format1"
 
 
+# Datasets of the previous format: the slow tier.
+@SLOW
 def test_a_format1_dataset_opens_reads_and_refuses_writes(tmp_path):
     # tests/data/dataset_format1 was written by the format-1 `Dataset` (dejax_eqx 0.1's
     # format, without checksums) from `_prioritised_buffers()`: 3 envs in chunks of 4 steps,
@@ -669,6 +677,9 @@ def _check_after_crash(path: Path, possible: list[int], per_write: int) -> None:
         _assert_holds(reopened, e, 0, length + per_write)
 
 
+# A writer process killed: CI's slow tier, as the runs across real processes; writers killed
+# at a stage and at a random point run in the default tier (tests/test_dataset_faults.py).
+@SLOW
 def test_a_writer_killed_before_its_commit_leaves_the_previous_end(tmp_path):
     # Every chunk of write 3 is on disk (in chunks shared with committed steps, too); only
     # the manifest is not: the dataset still ends after write 2.

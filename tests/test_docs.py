@@ -66,7 +66,7 @@ def _public_docstrings() -> dict[str, str]:
 
 def _snippets():
     # The README's examples run in the README's test command, with each guide's first and
-    # every other docstring's (in name order); the rest are `slow` (CI runs them:
+    # every fourth docstring's (in name order); the rest are `slow` (CI runs them:
     # tests/helpers.py).
     params = []
     for path in [*sorted(DOCS.glob("*.md")), ROOT / "README.md"]:
@@ -79,7 +79,7 @@ def _snippets():
         for line, code in python_blocks_with_lines(doc)
     ]
     for k, (name, code) in enumerate(docstrings):
-        params.append(pytest.param(code, id=name, marks=[SLOW] if k % 2 else []))
+        params.append(pytest.param(code, id=name, marks=[SLOW] if k % 4 else []))
     return params
 
 

@@ -24,7 +24,7 @@ def _require(*modules: str) -> None:
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
     if not missing:
         return
-    message = f"needs {', '.join(missing)}: pip install -e '.[examples]'"
+    message = f"needs {', '.join(missing)}: pip install -e '.[examples,offline]'"
     if os.environ.get("CI"):
         pytest.fail(message)
     pytest.skip(message)
@@ -38,6 +38,10 @@ def _run(args: list[str], cwd: pathlib.Path, timeout: float = 600) -> subprocess
     )
 
 
+# The examples' runs, half a minute of a 2-core machine or more each, are in CI's slow tier
+# (tests/helpers.py) but for the quickstart: the default tier runs it and the R2D2 example's
+# targets against a reference (below).
+@pytest.mark.slow
 def test_dqn_cartpole_smoke(tmp_path):
     _require("gymnax", "optax", "matplotlib", "tqdm")
     result = _run([str(ROOT / "examples" / "dqn_cartpole.py"), "--smoke", "--seed", "3"], tmp_path)
@@ -53,6 +57,7 @@ def test_dqn_cartpole_smoke(tmp_path):
     assert png.read_bytes().startswith(b"\x89PNG")
 
 
+@pytest.mark.slow
 def test_dqn_cartpole_reports_failure(tmp_path):
     # An unreachable bar (an episode pays at most 500) and the smallest budget: the demo must say
     # so and exit non-zero, so that it can serve as an end-to-end check.
@@ -66,6 +71,7 @@ def test_dqn_cartpole_reports_failure(tmp_path):
     assert "step cap reached:" in result.stdout
 
 
+@pytest.mark.slow
 def test_multi_process_dqn_smoke(tmp_path):
     # The launcher starts two processes of a `jax.distributed` program on this machine, each
     # with its own actors and replay shard; both run to the step cap and stop together.
@@ -85,6 +91,7 @@ def test_multi_process_dqn_smoke(tmp_path):
     assert "smoke run: no learning threshold" in result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     not hasattr(jax, "shard_map"), reason="the global buffers need JAX 0.7+ (jax.shard_map)"
 )
@@ -187,6 +194,7 @@ def test_r2d2_targets_match_a_step_by_step_reference():
     np.testing.assert_allclose(np.asarray(target), expected_target, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_r2d2_envpool_smoke(tmp_path):
     _require("envpool", "optax", "matplotlib", "tqdm")
     script = str(ROOT / "examples" / "r2d2_envpool.py")
@@ -206,6 +214,7 @@ def test_r2d2_envpool_smoke(tmp_path):
         assert variant in result.stdout
 
 
+@pytest.mark.slow
 def test_sebulba_cartpole_smoke(tmp_path):
     # Actor threads, a learner thread and the main thread's evaluations through a
     # `ReplayService`: it runs to its step cap, shuts every thread down and draws the figure.
@@ -232,3 +241,21 @@ def test_her_bitflip_smoke(tmp_path):
     assert "HER final success per seed:" in result.stdout
     assert "DQN final success per seed:" in result.stdout
     assert (tmp_path / "her_bitflip.png").read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.slow
+def test_offline_to_online_smoke(tmp_path):
+    # A behaviour DQN, its Minari dataset, `dx.load_minari`, and DQN from a `dx.Mixture` of the
+    # offline and online buffers, at tiny sizes: it runs end to end and draws the figure.
+    _require("gymnax", "optax", "matplotlib", "minari", "gymnasium")
+    script = str(ROOT / "examples" / "offline_to_online.py")
+    result = _run([script, "--smoke", "--seeds", "0", "--out", str(tmp_path)], tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "behaviour DQN: greedy return" in result.stdout
+    # Exact counts under a traced fraction: round(32 f) offline rows for f = 0.5 (1 - u / 8),
+    # u = 0..7, then 0: 16 + 14 + ... + 2 = 72 over the 16 updates; none with the fraction 0.
+    (mixed,) = [line for line in result.stdout.splitlines() if line.startswith("seed 0 mixed:")]
+    (online,) = [line for line in result.stdout.splitlines() if line.startswith("seed 0 online")]
+    assert "; 72 offline rows" in mixed and "; 0 offline rows" in online
+    assert "smoke run: no learning threshold" in result.stdout
+    assert (tmp_path / "offline_to_online.png").read_bytes().startswith(b"\x89PNG")

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from .helpers import enable_x64
+from .helpers import enable_x64, SLOW
 
 
 FAULT = eqx.EquinoxRuntimeError
@@ -42,7 +42,8 @@ def _int64_values(x64: bool):
     return values
 
 
-@pytest.fixture(params=[False, True], ids=["x32", "x64"])
+# In 64-bit mode: the slow tier, as the eager 64-bit edge cases (tests/helpers.py).
+@pytest.fixture(params=[False, pytest.param(True, marks=SLOW)], ids=["x32", "x64"])
 def x64(request):
     with enable_x64(request.param):
         yield request.param

@@ -32,6 +32,8 @@ from dejax_eqx.compat.flashbax.buffers import (
     trajectory_queue as tq,
 )
 
+from .helpers import SLOW
+
 
 STEP = {"x": jnp.zeros(())}
 INT32_MAX = 2**31 - 1
@@ -422,6 +424,8 @@ def test_get_invalid_indices_refuses_sizes_that_are_not_the_state_s():
             ptb.get_invalid_indices(**{**args, arg: value})
 
 
+# An error edge: the slow tier.
+@SLOW
 def test_periods_and_windows_longer_than_a_row_are_refused_under_flashbax_s_names():
     # The module refused them in its own words (`PrioritisedTrajectoryBuffer`: a window of
     # burn_in + sequence_length + bootstrap = 0 + 9 + 0 = 9 steps ...), naming a class and

@@ -76,6 +76,8 @@ from dejax_eqx.compat.flashbax.buffers.trajectory_buffer import (
 )
 from dejax_eqx.compat.flashbax.buffers.trajectory_queue import Experience as QueueExperience
 
+from .helpers import SLOW
+
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("flashbax") is None,
@@ -563,6 +565,10 @@ def _tree(values: list[float]):
     return ours, theirs
 
 
+# The drop-in sum tree's draws: tests/test_flashbax_helpers.py's
+# test_sum_tree_sample_takes_flashbax_s_queries_in_0_1 in the default tier; against flashbax's
+# own, in the slow tier.
+@SLOW
 def test_sum_tree_draws_are_flashbax_s_and_never_a_leaf_of_zero():
     sum_tree, theirs_module = fbx.buffers.sum_tree, _import("flashbax.buffers.sum_tree")
     ours, theirs = _tree([1.0, 0.0, 3.0])

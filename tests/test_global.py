@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from .helpers import rotation
+from .helpers import rotation, SLOW
 
 
 pytestmark = pytest.mark.skipif(
@@ -21,6 +21,9 @@ def _mesh():
     return jax.make_mesh((1,), ("replay",))
 
 
+# Every dtype through a global buffer: the slow tier (the values of one dtype come back in
+# the tests below).
+@SLOW
 def test_sampled_values_come_back_bit_for_bit_whatever_their_dtype():
     # The batch crosses devices as 32-bit words: -0.0, NaN payloads, subnormals, 64-bit,
     # 8-bit, boolean and complex values must all survive it unchanged.
@@ -55,6 +58,9 @@ def test_sampled_values_come_back_bit_for_bit_whatever_their_dtype():
         assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), name
 
 
+# Global buffers draw as one buffer of every env in the default tier (below); a prioritised
+# replay of one shard, in the slow tier.
+@SLOW
 def test_a_prioritised_global_replay_on_one_device_draws_as_the_replay_it_holds():
     item = {"x": jnp.zeros(())}
     make = lambda: dx.PrioritisedReplay(item, 32, stratified=True)  # noqa: E731
@@ -79,7 +85,7 @@ def test_a_prioritised_global_replay_on_one_device_draws_as_the_replay_it_holds(
 
 @pytest.mark.parametrize(
     "option",
-    rotation(["windows", "strict", "transitions", "both sources", "aged", "online only"], 0, 2),
+    rotation(["windows", "strict", "transitions", "both sources", "aged", "online only"], 0, 1),
 )
 def test_every_sampling_option_draws_as_one_buffer_of_every_env(option):
     # Four shards of 2 envs against one buffer of 8 envs fed the same steps: each option of
@@ -130,7 +136,7 @@ def test_every_sampling_option_draws_as_one_buffer_of_every_env(option):
             assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
 
 
-@pytest.mark.parametrize("kind", [dx.TrajectoryBuffer, dx.TrajectoryQueue])
+@pytest.mark.parametrize("kind", rotation([dx.TrajectoryBuffer, dx.TrajectoryQueue], 0, keep=1))
 def test_extend_stores_each_env_as_one_buffer_of_every_env(kind):
     # `extend` of every env's sequences, then of named envs (block k naming envs of shard k),
     # stores what one buffer of 8 envs stores; a queue then pops every env's oldest steps.

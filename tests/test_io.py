@@ -56,7 +56,7 @@ def on_default_device(tree) -> bool:
     )
 
 
-@pytest.mark.parametrize("copies", [None, 3], ids=["single", "batch-of-3"])
+@pytest.mark.parametrize("copies", rotation([None, 3], 0, keep=1), ids=["single", "batch-of-3"])
 @pytest.mark.parametrize("case", rotation(BUFFER_CASES, 1, keep=1), ids=lambda c: c.name)
 @given(
     spec_name=st.sampled_from(SPEC_NAMES),

@@ -20,6 +20,8 @@ grain = pytest.importorskip("grain")
 import dejax_eqx as dx
 from dejax_eqx._windows import mask_windows
 
+from .helpers import SLOW
+
 
 # Minari advises, with a UserWarning each, to record an author, a description, an evaluation
 # env and so on; the datasets made here leave some out.
@@ -489,6 +491,9 @@ def test_window_source_masks_as_the_buffers_do(cartpole, tmp_path, episode_ends)
         np.testing.assert_array_equal(a, np.asarray(b).astype(a.dtype))
 
 
+# The WindowSource is checked in the default tier (test_window_source_masks_as_the_buffers_do);
+# grain's epochs over it, in the slow tier.
+@SLOW
 def test_grain_shuffles_every_window_once_per_epoch(cartpole, tmp_path):
     dataset = dx.from_minari(cartpole, tmp_path / "d", num_envs=2)
     source = dx.WindowSource(dataset, dx.Window(5, period=2, strict=True))

@@ -142,6 +142,9 @@ def test_prioritised_replay_frequencies_probabilities_and_weights(decay, stratif
     assert_frequencies(*_cells(expected, indices.tolist()), alpha=1e-6)
 
 
+# As its trajectory twin below: the weights are checked against the model in the default tier
+# (test_prioritised_replay_frequencies_probabilities_and_weights), this agreement in the slow one.
+@SLOW
 def test_prioritised_replay_weights_are_those_of_sample_when_nothing_is_excluded():
     buf, model = _prioritised()
     s = _by_age_beta(buf, jax.random.key(4), _age(20), 2000, BETA)  # every age admitted
@@ -172,6 +175,9 @@ def _clustered_items(n: int) -> dict:
     return items
 
 
+# Clustered ages: test_clustered_replay_draws_no_cluster_whose_items_are_all_too_old in the
+# default tier; the law, in the slow tier.
+@SLOW
 @pytest.mark.parametrize("power", [0.0, 1.0])
 def test_clustered_replay_frequencies_and_probabilities(power):
     max_size, n = 16, 37
@@ -258,10 +264,15 @@ def _check_windows(s, window, streams: RefTrajectoryBuffer) -> None:
 
 @pytest.mark.parametrize(
     "decay, source, window",
-    [
-        (None, "replay", dx.Window(2, burn_in=1, period=2)),
-        ("inverse", "online", dx.Window(3)),
-    ],
+    rotation(
+        [
+            (None, "replay", dx.Window(2, burn_in=1, period=2)),
+            ("inverse", "online", dx.Window(3)),
+        ],
+        1,
+        keep=1,
+        several=True,
+    ),
     ids=["replay-period", "online-inverse"],
 )
 def test_trajectory_buffer_frequencies_and_probabilities(decay, source, window):
@@ -290,6 +301,9 @@ def test_trajectory_buffer_frequencies_and_probabilities(decay, source, window):
     assert_frequencies(*_cells(expected, drawn), alpha=1e-6)
 
 
+# The sampler's two laws agree: the draws are held to the model's law in the default tier
+# (test_trajectory_buffer_frequencies_and_probabilities), this internal identity in the slow one.
+@SLOW
 def test_start_log_weights_sum_to_the_env_weights_of_the_sampler():
     lengths = jnp.asarray([0, 3, 9, 12, 12], jnp.int32)
     phase = jnp.asarray([0, 1, 2, 0, 2], jnp.int32)
@@ -325,7 +339,10 @@ def _prioritised_windows(rng, **kwargs):
     return buf, model
 
 
-@pytest.mark.parametrize("decay", rotation([None, "inverse"], 1, keep=1))
+# Aged draws of the replays and of a trajectory buffer run in the default tier (above); of a
+# prioritised trajectory buffer, in the slow tier.
+@SLOW
+@pytest.mark.parametrize("decay", [None, "inverse"])
 def test_prioritised_trajectory_frequencies_probabilities_and_weights(decay):
     buf, model = _prioritised_windows(np.random.default_rng(7))
     current, max_age = 20, 3
@@ -428,6 +445,8 @@ def test_errors_of_the_replays():
         replay.sample(key, 4, beta=0.5)
 
 
+# As test_errors_of_the_replays: the slow tier (the arguments are checked by default, above).
+@SLOW
 def test_errors_of_the_trajectory_buffers():
     key, window = jax.random.key(0), dx.Window(2)
     buf = dx.TrajectoryBuffer(STEP, 2, 4)
@@ -474,6 +493,9 @@ def test_a_donated_training_step_updates_the_buffer_in_place():
         assert (np.asarray(s.ages) <= 3).all()
 
 
+# A donated step runs in the default tier (above), scans of every buffer in
+# tests/test_transforms.py; this scan with ages, in the slow tier.
+@SLOW
 def test_scan_carry_equals_a_python_loop():
     def body(carry, key):
         buf, current = carry

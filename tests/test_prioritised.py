@@ -16,8 +16,10 @@ from .helpers import (
     assert_tree_equal,
     bump,
     enable_x64,
+    machine_tests,
     random_batch,
     random_item,
+    rotation,
     SLOW,
     SPECS,
     to_numpy,
@@ -220,7 +222,9 @@ class PrioritisedReplayMachine(RuleBasedStateMachine):
             assert_tree_equal(_slot(self.replay, i), self.model.items[i])
 
 
-TestPrioritisedReplayMachine = PrioritisedReplayMachine.TestCase
+TestPrioritisedReplayMachine, TestPrioritisedReplayMachineFull = machine_tests(
+    PrioritisedReplayMachine
+)
 
 
 def _labelled(max_size: int, num_adds: int, **kwargs) -> dx.PrioritisedReplay:
@@ -243,7 +247,7 @@ def _model_for(max_size, num_adds, priorities, alpha) -> RefPrioritisedReplay:
     return model
 
 
-@pytest.mark.parametrize("alpha", [0.0, 0.6, 1.0])
+@pytest.mark.parametrize("alpha", rotation([0.0, 0.6, 1.0], 1, keep=1))
 def test_sampling_frequencies_match_the_model(alpha):
     max_size, num_adds, draws = 40, 97, 200_000
     priorities = _priorities_with_zeros(max_size)
@@ -336,6 +340,8 @@ def test_masked_set_priorities_sets_and_checks_only_the_kept_entries():
         masked(replay, indices, priorities, mask.at[2].set(True))
 
 
+# Eager 64-bit edge case: CI's slow tier.
+@SLOW
 def test_set_priorities_checks_indices_in_their_own_dtype():
     with enable_x64(True):
         replay = dx.PrioritisedReplay(jnp.zeros(()), 4).add_batch(jnp.zeros(3))
@@ -344,6 +350,9 @@ def test_set_priorities_checks_indices_in_their_own_dtype():
             replay.set_priorities(np.array([2**32 + 1], np.int64), jnp.array([1.0]))
 
 
+# Zero priorities are never drawn in the default tier by the machine and the frequency tests;
+# with exponent 0 too, in the slow tier.
+@SLOW
 def test_zero_priority_is_never_drawn_even_with_exponent_zero():
     replay = _labelled(5, 5, priority_exponent=0.0)
     replay = replay.set_priorities(jnp.arange(5), jnp.array([0.0, 1e-6, 3.0, 0.0, 100.0]))
@@ -391,7 +400,7 @@ def test_errors():
         big.sample(jax.random.key(0), 2)
 
 
-@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("jit", rotation([False, True], 1, keep=1))
 def test_errors_on_a_one_slot_replay(jit):
     # A gather from a one-slot buffer ignores its index: the guards must still hold.
     wrap = eqx.filter_jit if jit else (lambda f: f)
@@ -439,6 +448,8 @@ def test_constructor_and_argument_validation():
     assert replay.tree.leaves[:2].tolist() == pytest.approx([3**0.6, 0.0])
 
 
+# Eager 64-bit edge cases: CI's slow tier (tests/helpers.py).
+@SLOW
 def test_float64_replay():
     with enable_x64(True):
         replay = dx.PrioritisedReplay(jnp.zeros(()), 4, dtype=jnp.float64)
@@ -458,6 +469,8 @@ def _items(n, start=0):
     }
 
 
+# Scans of every buffer type: tests/test_transforms.py; this one, in the slow tier.
+@SLOW
 def test_scan_carry_equals_python_loop():
     def body(replay, xs):
         items, key = xs
@@ -507,6 +520,9 @@ def test_vmapped_draw_from_empty_replays_does_not_raise():
         set_priorities(replays, indices.at[1, 1].set(1), jnp.ones((3, 2)))
 
 
+# In place: every buffer's donated step in tests/test_transforms.py (default tier); this loop's
+# HLO, in the slow tier.
+@SLOW
 def test_training_loop_never_copies_the_tree_or_the_items():
     # Donation only shows that the result reuses the input's memory; a copy of the whole tree
     # inside every step of a loop would go unnoticed. Count copies in the compiled program.
@@ -533,6 +549,9 @@ def test_training_loop_never_copies_the_tree_or_the_items():
     assert not copies, copies
 
 
+# The blocks tests/test_docs.py's test_snippet_runs runs (every other docstring's in the default
+# tier, every one in the slow tier).
+@SLOW
 @pytest.mark.parametrize("obj", [dx.SumTree, dx.PrioritisedReplay, dx.importance_weights])
 def test_docstring_examples_run(obj):
     blocks = re.findall(r"```python\n(.*?)```", inspect.getdoc(obj) or "", re.S)
@@ -585,6 +604,8 @@ def test_generations_must_be_what_sample_returned():
                 call()
 
 
+# A deprecated form: CI's slow tier.
+@SLOW
 def test_deprecated_stamps_still_work_with_a_warning():
     # `PrioritisedSample.stamps` and `set_priorities(stamps=...)`: the old names of
     # `generations`, for one release.
@@ -684,6 +705,8 @@ def test_importance_weights_take_beta_and_size_in_their_own_dtype():
         dx.importance_weights(p, 10, np.array(1e39))
 
 
+# An edge case of sequence_priorities (test_sequence_priorities_match_a_loop): the slow tier.
+@SLOW
 def test_sequence_priorities_do_not_overflow_where_the_answer_fits():
     # float16 holds 60000, but a float16 sum of four of them is inf.
     td = jnp.full((2, 4), 60000.0, jnp.float16).at[1].set(-65504.0)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from hypothesis.stateful import initialize, invariant, precondition, rule, RuleBasedStateMachine
 
-from .helpers import assert_frequencies, SLOW, unstack
+from .helpers import assert_frequencies, machine_tests, SLOW, unstack
 from .reference import (
     AllZeroError,
     BadPriorityError,
@@ -153,7 +153,9 @@ class PrioritisedTrajectoryMachine(RuleBasedStateMachine):
         )
 
 
-TestPrioritisedTrajectoryMachine = PrioritisedTrajectoryMachine.TestCase
+TestPrioritisedTrajectoryMachine, TestPrioritisedTrajectoryMachineFull = machine_tests(
+    PrioritisedTrajectoryMachine
+)
 
 
 def _filled(config, rng, **kwargs):
@@ -176,7 +178,11 @@ def _filled(config, rng, **kwargs):
     return buf, model
 
 
-@pytest.mark.parametrize("stratified", [False, True], ids=["iid", "stratified"])
+# Stratified draws in the slow tier: tests/test_prioritised.py's test_stratified_sampling runs
+# the same stratification of a sum tree in the default tier.
+@pytest.mark.parametrize(
+    "stratified", [False, pytest.param(True, marks=SLOW)], ids=["iid", "stratified"]
+)
 def test_sampling_frequencies_match_the_model(stratified):
     buf, model = _filled(CONFIGS[0], np.random.default_rng(0), stratified=stratified)
     draws = 2**15
@@ -192,6 +198,9 @@ def test_sampling_frequencies_match_the_model(stratified):
     )
 
 
+# Stale updates are dropped in the default tier by tests/test_prioritised.py (a replay) and
+# the machine above; across a whole ring of a trajectory buffer, in the slow tier.
+@SLOW
 def test_stale_updates_change_nothing_across_the_wrap():
     # A learner that updates a sample after the streams moved on by a whole ring: every
     # window of the sample has left, and the update must leave the new windows' priorities.
@@ -209,6 +218,9 @@ def test_stale_updates_change_nothing_across_the_wrap():
     assert float(after.max_priority) == 9.0  # recorded, as for any update
 
 
+# The faults of every buffer run in the default tier (tests/test_results.py); these, in the
+# slow tier.
+@SLOW
 def test_errors():
     buf, model = _make(CONFIGS[0])
     key = jax.random.key(0)
@@ -316,6 +328,9 @@ def test_window_priorities_round_trip():
     np.testing.assert_allclose(unknown.tree.leaves, np.where(held.reshape(-1), top, 0.0), rtol=1e-6)
 
 
+# with_streams runs in the default tier on a TrajectoryBuffer (tests/test_trajectory.py);
+# its fresh priorities here, in the slow tier.
+@SLOW
 def test_with_streams_keeps_the_steps_at_fresh_priorities():
     buf, model = _filled(CONFIGS[2], np.random.default_rng(8))
     (env, start), *_ = sorted(model.priorities)

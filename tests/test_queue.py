@@ -11,6 +11,8 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, rule, RuleBasedStateMachine
 
+from .helpers import machine_tests
+
 
 PROTOTYPE = {"env": jnp.zeros((), jnp.int32), "pos": jnp.zeros((), jnp.int32)}
 NUM_ENVS, MAX_LENGTH = 3, 5
@@ -82,7 +84,7 @@ class QueueMachine(RuleBasedStateMachine):
             assert self.queue.unread.tolist() == [len(q) for q in self.model]
 
 
-TestQueueMachine = QueueMachine.TestCase
+TestQueueMachine, TestQueueMachineFull = machine_tests(QueueMachine)
 
 
 def test_extend_longer_than_the_queue_is_refused_at_once():

@@ -32,7 +32,7 @@ from dejax_eqx._rates import Rate, UNLIMITED
 from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import initialize, invariant, rule, RuleBasedStateMachine
 
-from .helpers import profile_max_examples, rotation, SLOW, tree_equal
+from .helpers import machine_tests, profile_max_examples, rotation, SLOW, tree_equal
 
 
 FAULT = RuntimeError  # what `eqx.error_if` raises, eagerly and under `jit`
@@ -497,6 +497,9 @@ def test_filter_jit_donation_reuses_the_counters_and_the_buffer():
     assert batch["x"].shape == (2, 64) and limited.limiter.counts() == (2, 2)
 
 
+# vmapped buffers run in the default tier (tests/test_transforms.py); limiters under vmap, in
+# the slow tier.
+@SLOW
 def test_a_batch_of_limiters_under_vmap():
     limiters = eqx.filter_vmap(lambda _: CONFIGS["ratio"](), axis_size=3)(jnp.arange(3))
     n = jnp.asarray([3, 1, 0], jnp.int32)
@@ -597,7 +600,7 @@ def _replay_ops(limited, buf, key, kind):
     return limited, buf, got, want, counted
 
 
-@pytest.mark.parametrize("kind", rotation(sorted(REPLAYS), 1, keep=1))
+@pytest.mark.parametrize("kind", rotation(sorted(REPLAYS), 2, keep=1))
 def test_rate_limited_replays_count_and_sample_as_the_bare_replay(kind):
     buf = REPLAYS[kind]()
     run = eqx.filter_jit(functools.partial(_replay_ops, kind=kind))
@@ -767,6 +770,8 @@ def test_dataset_keeps_the_counts_of_a_rate_limited_buffer(tmp_path):
     assert int(ds.load(like.buffer).step_count.sum()) == 12
 
 
+# A dataset's counts of a rate-limited buffer: the slow tier, as the test above.
+@SLOW
 def test_dataset_manifest_counts_are_validated(tmp_path):
     pytest.importorskip("tensorstore")
     from .test_dataset import _resign
@@ -904,7 +909,7 @@ class GlobalRateLimitedMachine(RateLimitedMachine):
         return dx.GlobalReplay(mesh, lambda: dx.UniformReplay(ITEM, 16))
 
 
-TestRateLimitedMachine = RateLimitedMachine.TestCase
+TestRateLimitedMachine, TestRateLimitedMachineFull = machine_tests(RateLimitedMachine)
 # Each run of the global machine builds a mesh of shards and compiles its collectives: half as
 # many runs (the law is the same; the single machine explores it with every run).
 GlobalRateLimitedMachine.TestCase.settings = settings(

@@ -90,7 +90,10 @@ def _fill(autoreset, num_envs, max_length, calls, rng, *, p_end=0.25, wrap=None,
     return buf, history
 
 
-@pytest.mark.parametrize("autoreset", ["same-step", pytest.param("next-step", marks=SLOW)])
+# The bookkeeping of a few adds is held to the model in the default tier (below); random
+# histories, in the slow tier.
+@SLOW
+@pytest.mark.parametrize("autoreset", ["same-step", "next-step"])
 @given(seed=st.integers(0, 2**32 - 1), max_length=st.sampled_from([1, 4]))
 def test_episode_bookkeeping_equals_the_model(autoreset, seed, max_length):
     rng = np.random.default_rng(seed)
@@ -195,11 +198,11 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(
-    "case",
-    [c if i in (1, 2) else pytest.param(c, marks=SLOW) for i, c in enumerate(CASES)],
-    ids=str,
-)
+# Relabelled rows are recomputed from their goals in the default tier
+# (test_rows_left_alone_are_the_plain_sample_and_relabelled_rows_are_recomputed); each
+# strategy's law, in the slow tier.
+@SLOW
+@pytest.mark.parametrize("case", CASES, ids=str)
 def test_each_strategy_draws_goals_by_its_law(case):
     # Conditional on its anchor, a row's goal step is a draw from the strategy's law over the
     # anchor's episode: one Pearson chi-square per anchor, summed (independent given the
@@ -255,7 +258,10 @@ def test_each_strategy_draws_goals_by_its_law(case):
     assert statistic < scipy.stats.chi2.ppf(1 - ALPHA, dof), (statistic, dof)
 
 
-@pytest.mark.parametrize("autoreset", ["next-step", pytest.param("same-step", marks=SLOW)])
+# Goals drawn by their law run in the default tier (test_each_strategy_draws_goals_by_its_law),
+# the 'random' strategy's law over every env in the slow tier.
+@SLOW
+@pytest.mark.parametrize("autoreset", ["next-step", "same-step"])
 def test_random_draws_every_stored_step_of_an_episode_uniformly(autoreset):
     # Over every env: each stored step that belongs to an episode (not an auto-reset step, not
     # an overwritten one) equally likely, whatever the row. One Pearson chi-square over the
@@ -366,8 +372,11 @@ def test_relabelling_through_the_layers_and_a_donated_scan():
     assert goals.shape == (3, 16) and int(new.step_count.sum()) == taken + 12
 
 
+# Relabelling runs in the default tier on one buffer (above), and the global buffers sample as
+# one buffer of every env there (tests/test_global.py); both together, in the slow tier.
+@SLOW
 @pytest.mark.skipif(not hasattr(jax, "shard_map"), reason="the global buffers need JAX 0.7+")
-@pytest.mark.parametrize("what", ["window", pytest.param("nstep", marks=SLOW)])
+@pytest.mark.parametrize("what", ["window", "nstep"])
 def test_a_global_buffer_relabels_as_one_buffer_of_every_env(what):
     mesh = jax.make_mesh((2,), ("shards",), devices=jax.devices()[:2])
     episodes = dx.Episodes("done", autoreset="same-step")

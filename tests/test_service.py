@@ -30,6 +30,8 @@ from dejax_eqx._abstract import Source
 from dejax_eqx._rates import Rate
 from dejax_eqx._service import inserts_needed, samples_needed
 
+from .helpers import SLOW
+
 
 JOIN = 60.0  # seconds: a thread still alive after this is a hang, and fails the test
 PREFIX = "test-service-"
@@ -165,6 +167,8 @@ def test_actors_and_learner():
     service.close()
 
 
+# A service over a trajectory buffer fed env subsets: the slow tier.
+@SLOW
 def test_trajectory_buffer_from_envpool_like_subsets():
     """Two actors step 4 envs each in envpool's async mode (each `recv()` returns 2 of them,
     a random pair): the steps are counted, each env's stream holds its steps in order, and the

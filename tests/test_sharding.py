@@ -345,7 +345,7 @@ def _sharded(tree, mesh):
     return jax.device_put(tree, NamedSharding(mesh, P("devices")))
 
 
-@pytest.mark.parametrize("t", rotation(BUFFER_TYPES, 6, keep=1), ids=lambda t: t.name)
+@pytest.mark.parametrize("t", rotation(BUFFER_TYPES, 5, keep=1), ids=lambda t: t.name)
 def test_every_method_inside_shard_map(plain_mesh, t):
     # One buffer per device, each filled with its own items, and every method called on it
     # with its own arguments: device d's results are what buffer d gives alone, on one device.
@@ -393,7 +393,11 @@ def test_faults_inside_shard_map_still_raise(plain_mesh):
 # Saving sharded buffers, loading them onto one device
 
 
-@pytest.mark.parametrize("case", rotation(BUFFER_CASES, 8, keep=1), ids=lambda c: c.name)
+# Saved from four devices and loaded onto one in the default tier
+# (test_buffers_saved_from_four_devices_load_onto_one); every buffer type, sharded and round
+# tripped, in the slow tier.
+@SLOW
+@pytest.mark.parametrize("case", BUFFER_CASES, ids=lambda c: c.name)
 # Each example compiles a sharded save and a load for its shapes: a fifth of the profile's
 # examples (2 in `ci`, 30 in `dev`), per buffer type.
 @settings(max_examples=max(2, profile_max_examples() // 5))

@@ -8,7 +8,15 @@ import pytest
 from dejax_eqx._storage import ring_add, ring_sub
 from hypothesis.stateful import initialize, invariant, rule
 
-from .helpers import assert_tree_equal, random_batch, rotation, SPECS, to_numpy, unstack
+from .helpers import (
+    assert_tree_equal,
+    machine_tests,
+    random_batch,
+    rotation,
+    SPECS,
+    to_numpy,
+    unstack,
+)
 from .machines import ItemRules
 from .reference import EmptyBufferError, RefCircularBuffer
 
@@ -70,7 +78,7 @@ class CircularBufferMachine(ItemRules):
             assert_tree_equal(_get(self.buffer, jnp.asarray(i, jnp.int32)), expected, f"get({i})")
 
 
-TestCircularBufferMachine = CircularBufferMachine.TestCase
+TestCircularBufferMachine, TestCircularBufferMachineFull = machine_tests(CircularBufferMachine)
 
 
 def test_docstring_example():

@@ -12,7 +12,7 @@ from dejax_eqx import _sum_tree
 from hypothesis import given
 from hypothesis.stateful import initialize, invariant, rule, RuleBasedStateMachine
 
-from .helpers import enable_x64
+from .helpers import enable_x64, machine_tests, rotation, SLOW
 from .reference import BadPriorityError, RefSumTree
 
 
@@ -145,7 +145,7 @@ class SumTreeMachine(RuleBasedStateMachine):
         check_structure(self.tree)
 
 
-TestSumTreeMachine = SumTreeMachine.TestCase
+TestSumTreeMachine, TestSumTreeMachineFull = machine_tests(SumTreeMachine)
 
 
 def test_duplicates_last_wins():
@@ -172,7 +172,7 @@ def test_duplicates_last_wins_for_huge_batches(monkeypatch):
     check_structure(tree)
 
 
-@pytest.mark.parametrize("capacity", [4, 64, 1000])
+@pytest.mark.parametrize("capacity", rotation([4, 64, 1000], 1, keep=1))
 def test_zero_leaves_are_never_found(capacity):
     # Adversarial layouts: trailing zeros after the last positive leaf, a tiny leaf beside huge
     # ones, and positive leaves separated by zeros; each probed at every boundary.
@@ -275,6 +275,8 @@ def test_set_find_cost_is_logarithmic_in_the_jaxpr():
     check(jax.make_jaxpr(lambda t, u: t.find(u))(tree, jnp.ones(n)).jaxpr)
 
 
+# An eager 64-bit edge case: CI's slow tier (tests/helpers.py).
+@SLOW
 def test_float64_tree():
     with enable_x64(True):
         tree = dx.SumTree(10, dtype=jnp.float64)
@@ -338,6 +340,8 @@ def test_find_then_set_in_a_loop_never_copies_the_tree():
     assert not copies, copies
 
 
+# The levels read through slices of every size: the slow tier (the default reads as usual).
+@SLOW
 @pytest.mark.parametrize("small_bytes", [16, 300, 2600, 3000])
 def test_levels_read_through_slices_agree_with_the_loop(monkeypatch, small_bytes):
     # Large trees read their large levels through one static slice each (unrolled) and the

@@ -16,6 +16,7 @@ from .helpers import (
     assert_frequencies,
     assert_tree_equal,
     enable_x64,
+    machine_tests,
     random_batch,
     rotation,
     SLOW,
@@ -362,7 +363,7 @@ class TrajectoryMachine(RuleBasedStateMachine):
                     assert_tree_equal(got, expected, f"env {env} {source}")
 
 
-TestTrajectoryMachine = TrajectoryMachine.TestCase
+TestTrajectoryMachine, TestTrajectoryMachineFull = machine_tests(TrajectoryMachine)
 
 
 # Sampling statistics. A buffer filled by random async adds, whose windows are, against
@@ -445,10 +446,10 @@ def _frequencies(env, offset, probabilities: dict):
     return counts, np.asarray([probabilities[c] for c in cells])
 
 
-@pytest.mark.parametrize("source", ["replay", "online"])
+@pytest.mark.parametrize("source", rotation(["replay", "online"], 0, keep=1))
 @pytest.mark.parametrize(
     "t, power",
-    rotation([(5, 0.0), (5, 1.0), (5, 2.0), (1, 1.0), (12, 1.0), (12, 2.0)], 2, 2, several=True),
+    rotation([(5, 0.0), (5, 1.0), (5, 2.0), (1, 1.0), (12, 1.0), (12, 2.0)], 2, 1, several=True),
 )
 def test_start_frequencies_match_exact_probabilities(stats_buffer, source, t, power):
     buf, model, added = stats_buffer
@@ -508,6 +509,8 @@ def short_windows():
     return buf, model, added
 
 
+# Extreme powers: the slow tier.
+@SLOW
 @pytest.mark.parametrize("source", ["replay", "online"])
 def test_extreme_powers_neither_overflow_nor_underflow(short_windows, source):
     buf, model, added = short_windows
@@ -596,6 +599,9 @@ def test_add_bad_env_ids(jit):
     assert buf.add(_steps(0), env_ids=_ids()) is buf
 
 
+# An eager 64-bit edge case: the slow tier (tests/test_faults.py's test_env_ids_and_peek_do_not_wrap
+# runs in the default one).
+@SLOW
 def test_env_ids_are_checked_in_their_own_dtype():
     # int64 ids under x64: 2**32 + 1 would wrap to the valid id 1 in int32.
     with enable_x64(True):
@@ -634,6 +640,9 @@ def test_sample_static_errors():
         buf.lengths("all")  # pyright: ignore[reportArgumentType]
 
 
+# The faults of every buffer run in the default tier (tests/test_results.py), and the
+# machine above samples empty sources; these, in the slow tier.
+@SLOW
 def test_sample_runtime_errors():
     sample = eqx.filter_jit(lambda b, k, p, s: b.sample(k, 3, TWO, distribution_power=p, source=s))
     mixed = eqx.filter_jit(
@@ -659,6 +668,8 @@ def test_sample_runtime_errors():
         mixed(empty, key, 1, 0)
 
 
+# Eager faults: the slow tier; the same faults under jit are checked by default (above).
+@SLOW
 def test_runtime_errors_outside_jit():
     empty = dx.TrajectoryBuffer(STEP, 2, 4)
     with pytest.raises(RuntimeError, match="empty TrajectoryBuffer"):
@@ -667,7 +678,7 @@ def test_runtime_errors_outside_jit():
         empty.peek(_ids(0))
 
 
-@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("jit", rotation([False, True], 1, keep=1))
 def test_peek(jit):
     peek = eqx.filter_jit(lambda b, i: b.peek(i)) if jit else (lambda b, i: b.peek(i))
     buf = dx.TrajectoryBuffer(STEP, 3, 2)
@@ -686,6 +697,8 @@ def test_peek(jit):
     assert full.peek()["obs"][:, 0].tolist() == [1.0, 4.0, 3.0]
 
 
+# The slow tier: static powers (above, and the machine) and traced ones run by default.
+@SLOW
 def test_power_accepts_python_numbers_and_arrays():
     buf = _add_all(dx.TrajectoryBuffer(STEP, 2, 4), _steps(2))
     key = jax.random.key(0)
@@ -739,6 +752,8 @@ def test_restore_checks_counts_in_their_own_dtype():
     assert restored.step_count.tolist() == [3] and restored.lengths.tolist() == [2]
 
 
+# 1000 adds: the slow tier. The machine above wraps the rings in the default tier.
+@SLOW
 def test_bounded_counters_after_many_adds():
     # 1000 adds through 3 slots: the cursor and lengths stay in [0, 3]; the step counts, int32,
     # count every step (they number the steps; `add` refuses a step past 2**31 - 1).
@@ -752,6 +767,8 @@ def test_bounded_counters_after_many_adds():
     assert buf.peek()["obs"][:, 0].tolist() == [998.0, 999.0]
 
 
+# The machine above checks zero-filled steps in the default tier; this one, in the slow tier.
+@SLOW
 def test_sample_shapes_dtypes_and_zero_fill():
     spec = SPEC
     buf = dx.TrajectoryBuffer(spec, 2, 6)
@@ -778,6 +795,9 @@ def _async_inputs(i, n=2, num_envs=4):
     return _steps(n, float(i)), env_ids
 
 
+# Faults of a vmapped buffer: tests/test_results.py (each lane keeps its own result) and
+# tests/test_uniform.py in the default tier; a trajectory buffer's, in the slow tier.
+@SLOW
 def test_vmap_errors():
     bufs = eqx.filter_vmap(lambda p: dx.TrajectoryBuffer(p, 2, 3), in_axes=None, axis_size=2)(STEP)
     keys = jax.random.split(jax.random.key(0), 2)
@@ -962,6 +982,8 @@ def _mixed(replay: int, online: int) -> dict:
     return {"replay": replay, "online": online}
 
 
+# A deprecated form: CI's slow tier (test_overwritten_is_deprecated stays in the default one).
+@SLOW
 def test_sample_transitions_is_deprecated():
     # `sample_transitions(key, b, nstep, discount=..., source=...)`: the old form of
     # `sample(key, b, nstep, discount=..., source=...)`, the same transitions bit for bit.

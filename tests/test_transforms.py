@@ -151,7 +151,7 @@ def test_donate_all_updates_in_place_and_compiles_once(t):
     assert len(traces) == 2
 
 
-@pytest.mark.parametrize("t", rotation(BUFFER_TYPES, 2, keep=1), ids=_type_id)
+@pytest.mark.parametrize("t", rotation(BUFFER_TYPES, 6, keep=1), ids=_type_id)
 def test_scan_carry_equals_python_loop(t):
     step, make_args = _STEPS[t.name]
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[make_args(i) for i in range(NUM_STEPS)])
@@ -165,7 +165,7 @@ def test_scan_carry_equals_python_loop(t):
 COPIES = 3
 
 
-@pytest.mark.parametrize("t", rotation(BUFFER_TYPES, 1, keep=1), ids=_type_id)
+@pytest.mark.parametrize("t", rotation(BUFFER_TYPES, 5, keep=1), ids=_type_id)
 def test_vmap_batch_of_buffers(t):
     # `eqx.filter_vmap` makes a batch of empty buffers: a leading axis on every array, the
     # static fields of one buffer.

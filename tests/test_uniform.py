@@ -10,6 +10,7 @@ from hypothesis.stateful import initialize, invariant
 from .helpers import (
     assert_frequencies,
     assert_tree_equal,
+    machine_tests,
     random_batch,
     SPECS,
     to_numpy,
@@ -44,7 +45,7 @@ class UniformReplayMachine(ItemRules, SampleSupportRule):
             assert_tree_equal(_get(self.buffer, jnp.asarray(i, jnp.int32)), expected)
 
 
-TestUniformReplayMachine = UniformReplayMachine.TestCase
+TestUniformReplayMachine, TestUniformReplayMachineFull = machine_tests(UniformReplayMachine)
 
 
 def _labelled_replay(max_size: int, num_adds: int) -> dx.UniformReplay:
