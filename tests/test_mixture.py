@@ -398,9 +398,8 @@ def test_a_donated_step_draws_a_mixture_and_adds():
     assert int(buffers["on"].step_count.sum()) == taken + 6 * NUM_ENVS
 
 
-def test_faults_of_a_mixture():
+def test_faults_of_a_mixture_arguments():
     buf = _plain()
-    empty = dx.TrajectoryBuffer(STEP, NUM_ENVS, MAX_LENGTH)
     two = dx.Mixture({"a": dx.Part("x", WINDOW), "b": dx.Part("y", WINDOW)})
     key = jax.random.key(0)
     with pytest.raises(ValueError, match="no buffer named 'y'"):
@@ -426,10 +425,21 @@ def test_faults_of_a_mixture():
         dx.Part("x", max_fraction=1.5)
     with pytest.raises(TypeError, match="one part for each|parameter 'source'"):
         dx.Part("x", source={"replay": 1})  # pyright: ignore[reportArgumentType]
+
+
+@SLOW  # draws and compiles mixtures; the argument checks above run in the default tier
+def test_faults_of_a_mixture_draw():
+    buf = _plain()
+    empty = dx.TrajectoryBuffer(STEP, NUM_ENVS, MAX_LENGTH)
+    two = dx.Mixture({"a": dx.Part("x", WINDOW), "b": dx.Part("y", WINDOW)})
+    key = jax.random.key(0)
     # Rows of two kinds: windows of different lengths.
     other = dx.Mixture({"a": dx.Part("x", WINDOW), "b": dx.Part("x", dx.Window(3))})
     with pytest.raises(TypeError, match="differ from those of part 'a'"):
         other.sample(key, 8, {"x": buf}, [0.5, 0.5])
+    # An empty part is fine with 0 rows (not drawn from).
+    _, out = two.sample(key, 8, {"x": buf, "y": empty}, [1.0, 0.0])
+    assert (np.asarray(out.source) == 0).all()
     # A traced fraction for a part whose rows depend on the batch.
     stratified = dx.PrioritisedTrajectoryBuffer(
         STEP, NUM_ENVS, MAX_LENGTH, window=WINDOW, stratified=True
@@ -437,9 +447,7 @@ def test_faults_of_a_mixture():
     per = dx.Mixture({"a": dx.Part("x", WINDOW), "b": dx.Part("s")})
     with pytest.raises(TypeError, match="cannot keep a traced number"):
         per.sample(key, 8, {"x": buf, "s": _filled(stratified, 0)}, jnp.array([0.5, 0.5]))
-    # An empty part: fine with 0 rows, a fault (naming the part) with some.
-    _, out = two.sample(key, 8, {"x": buf, "y": empty}, [1.0, 0.0])
-    assert (np.asarray(out.source) == 0).all()
+    # An empty part: fine with 0 rows (traced too), a fault (naming the part) with some.
     traced = eqx.filter_jit(lambda b, f: two.sample(key, 8, b, f)[1])
     out = traced({"x": buf, "y": empty}, jnp.array([1.0, 0.0]))
     assert (np.asarray(out.counts) == [8, 0]).all()
