@@ -158,16 +158,27 @@ class Mixture(eqx.Module):
     !!! Example
 
         ```python
+        import jax
+        import jax.numpy as jnp
+        import dejax_eqx as dx
+
+        step = {"obs": jnp.zeros(3), "done": jnp.zeros((), bool)}
+        steps = {"obs": jnp.ones((2, 10, 3)), "done": jnp.zeros((2, 10), bool)}
+        offline = dx.TrajectoryBuffer(step, 2, 10).extend(steps)
+        online = dx.TrajectoryBuffer(step, 2, 10).extend(steps)
+        window = dx.Window(4, strict=True)
         mixture = dx.Mixture({
             "offline": dx.Part("offline", window),
             "online": dx.Part("online", window),
         })
-        fraction = 0.5 * jnp.maximum(1.0 - step / 10_000, 0.0)  # traced: annealed to 0
+        update = jnp.asarray(2_500.0)  # a step counter, traced inside `jit`
+        fraction = 0.5 * jnp.maximum(1.0 - update / 10_000, 0.0)  # annealed to 0
         buffers, batch = mixture.sample(
-            key, 256, {"offline": offline, "online": online},
+            jax.random.key(0), 16, {"offline": offline, "online": online},
             {"offline": fraction, "online": 1.0 - fraction},
         )
-        rows, source = batch.sample, batch.source  # source: 0 offline, 1 online
+        assert batch.counts.tolist() == [6, 10]  # round(0.375 * 16) offline rows
+        assert batch.source.tolist() == [0] * 6 + [1] * 10
         ```
     """
 
