@@ -549,8 +549,8 @@ def test_training_loop_never_copies_the_tree_or_the_items():
     assert not copies, copies
 
 
-# The blocks tests/test_docs.py's test_snippet_runs runs (every other docstring's in the default
-# tier, every one in the slow tier).
+# The blocks tests/test_docs.py's test_snippet_runs runs (a rotation of the docstrings in the
+# default tier, every one in the slow tier).
 @SLOW
 @pytest.mark.parametrize("obj", [dx.SumTree, dx.PrioritisedReplay, dx.importance_weights])
 def test_docstring_examples_run(obj):

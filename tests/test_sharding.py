@@ -456,6 +456,9 @@ def test_buffers_saved_from_four_devices_load_onto_one(mesh, sharding, tmp_path)
 # The docs' snippets, with four devices
 
 
+# Every block of the guide also runs in tests/test_docs.py, on the same four devices (its first
+# in the default tier, every one in the slow tier); here, in the slow tier.
+@SLOW
 @pytest.mark.parametrize("block", python_blocks((ROOT / "docs" / "sharding.md").read_text()))
 def test_sharding_docs_snippets_run(block):
     exec(compile(block, "docs/sharding.md", "exec"), {})
