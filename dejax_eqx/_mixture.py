@@ -420,7 +420,6 @@ class Mixture(eqx.Module):
             at = jnp.asarray(offsets)[source] + r - ends[source]
             out_rows = jax.tree.map(lambda x: x[at], rows)
             out_weights = weights[at]
-            counts = counts.astype(jnp.int32)
         sample = MixedSample(out_rows, source, out_weights, jnp.asarray(counts, jnp.int32))
         return buffers, check_faults(sample, faults, order_reads=False)
 
