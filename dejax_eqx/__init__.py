@@ -62,7 +62,7 @@ from ._service import (
     WaitCannotEnd as WaitCannotEnd,
 )
 from ._storage import CircularBuffer as CircularBuffer
-from ._streams import Streams as Streams
+from ._streams import Streams as Streams, WrittenBack as WrittenBack
 from ._sum_tree import SumTree as SumTree
 from ._trajectory import TrajectoryBuffer as TrajectoryBuffer
 from ._uniform import UniformReplay as UniformReplay

@@ -30,9 +30,11 @@ from ._streams import (
     check_newest,
     check_stale,
     check_stamps,
+    check_write_back,
     checked_streams,
     episodes_of,
     Streams,
+    WrittenBack,
 )
 from ._windows import Window
 
@@ -647,6 +649,56 @@ class AbstractTrajectoryBuffer(AbstractBuffer):
         ]
         return check_faults(episodes_of(self.streams, stamps.env, stamps.start), faults)
 
+    @reports
+    def write_back(
+        self: _T,
+        env_ids: Integer[ArrayLike, " n"],
+        starts: Integer[ArrayLike, " n"],
+        values: Mapping[str, PyTree[ArrayLike]],
+        *,
+        mask: Bool[ArrayLike, "n T"] | None = None,
+    ) -> tuple[_T, WrittenBack]:
+        """Write per-step values into the stored steps a sample read (a learner's recurrent
+        states or latents, as R2D2's stored state and DreamerV3's replay context do): row
+        `i`'s value `t` goes to step `starts[i] + t` of env `env_ids[i]`, if that step is
+        still stored. An entry whose step has since been overwritten (or was never taken) is
+        dropped, and reported: the stamps say exactly which, so a value never lands on a
+        step it was not computed from. Where rows of one call share a step, the later row
+        wins (DreamerV3's rule). Only the keys of `values` change; nothing else (counters,
+        priorities, episodes) does. Inside a donated `jit` the write is in place.
+
+        **Arguments:**
+
+        - `env_ids`, `starts`: integer arrays of shape `(n,)`, stamps as a sample gives them
+            (`sample.env`, `sample.start`).
+        - `values`: a dict of keys of the (dict) step, each with that key's structure and
+            leaves of shape `(n, T, *leaf_shape)` in the stored dtype (nothing is cast):
+            the values of `T <= max_length` steps from each start (`T = 1` for the first step
+            of each window).
+        - `mask`: optional boolean array `(n, T)`: only the entries where it is `True` are
+            written (pass `sample.mask[:, :T]` so that padded steps write nothing).
+
+        **Returns:** `(buffer, WrittenBack)`: the new buffer, and per entry whether it was
+        written or dropped (`WrittenBack.num_dropped`).
+
+        **Raises:** `ValueError`/`TypeError` at once for `values` that do not match the step
+        (a key it lacks, a shape, a dtype) or stamps of another shape; an `eqx.error_if`
+        error if an env id is out of range or a start is not a step its env has taken.
+        """
+        call = f"{type(self).__name__}.write_back"
+        streams, report, faults = check_write_back(
+            self.streams, env_ids, starts, values, mask, call
+        )
+        return self.with_written(streams), check_faults(report, faults, order_reads=False)
+
+    def with_written(self: _T, streams: Streams) -> _T:
+        """This buffer holding `streams`, which differ from its own only in stored values
+        (`write_back`): nothing made from the steps is made afresh.
+
+        **Raises:** `TypeError` at once for a buffer that takes no write-back."""
+        name = type(self).__name__
+        raise TypeError(f"`{name}.write_back`: a {name} takes no write-back.")
+
     # --- the law: how this buffer draws, for `sample` and for every layer ---------------------
 
     def law(
@@ -830,5 +882,11 @@ class AbstractTrajectoryBuffer(AbstractBuffer):
     def _check_streams(self, streams: Streams, call: str) -> Streams:
         """`streams` if it has this buffer's configuration, else an error quoting `call`."""
         return checked_streams(
-            streams, self.num_envs, self.max_length, self.item_spec, call, self.streams.episodes
+            streams,
+            self.num_envs,
+            self.max_length,
+            self.item_spec,
+            call,
+            self.streams.episodes,
+            self.streams.written_back,
         )

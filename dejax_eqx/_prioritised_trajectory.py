@@ -2,7 +2,7 @@
 period-aligned start."""
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import equinox as eqx
@@ -146,6 +146,7 @@ class PrioritisedTrajectoryBuffer(AbstractTrajectoryBuffer, HasPriorities):
         stratified: bool = False,
         dtype: Any = jnp.float32,
         episodes: Episodes | None = None,
+        written_back: Sequence[str] = (),
         throw: bool = True,
         **options: Any,
     ):
@@ -159,7 +160,7 @@ class PrioritisedTrajectoryBuffer(AbstractTrajectoryBuffer, HasPriorities):
         - `stratified`: draw one window from each of `batch_size` equal slices of the total
             mass (default `False`: i.i.d. draws).
         - `dtype`: the float dtype of the priority sums (`jnp.float32` by default).
-        - `episodes`: as for `TrajectoryBuffer`.
+        - `episodes`, `written_back`: as for `TrajectoryBuffer`.
         - `throw`: how a fault (a fact of the data: an empty buffer, an index out of range)
             is reported: raised at the faulty call (`True`, the default), or kept as the
             buffer's `result` and beside what a read returns (`False`: no conditional and no
@@ -167,10 +168,15 @@ class PrioritisedTrajectoryBuffer(AbstractTrajectoryBuffer, HasPriorities):
         """
         call = "PrioritisedTrajectoryBuffer"
         self.result = initial_result(throw, f"{call}(throw=...)")
-        streams = make_streams(prototype, num_envs, max_length, call, episodes)
+        streams = make_streams(prototype, num_envs, max_length, call, episodes, written_back)
         # The buffer around the streams, without allocating its own (a shape-only template).
         template = eqx.filter_eval_shape(
-            TrajectoryBuffer, streams.item_spec, num_envs, max_length, episodes=episodes
+            TrajectoryBuffer,
+            streams.item_spec,
+            num_envs,
+            max_length,
+            episodes=episodes,
+            written_back=written_back,
         )
         self.trajectories = template.with_streams(streams)
         self.window = _whole_windows(window, options, streams, call)
@@ -229,6 +235,11 @@ class PrioritisedTrajectoryBuffer(AbstractTrajectoryBuffer, HasPriorities):
         leaves = jnp.arange(held.shape[0], dtype=jnp.int32)
         written = fresh.write(leaves, masses, unique=True)
         return eqx.tree_at(lambda b: b.priorities, new, written)
+
+    def with_written(self: _PT, streams: Streams) -> _PT:
+        """The buffer holding `streams`; the windows' priorities stay as they are."""
+        trajectories = self.trajectories.with_written(streams)
+        return eqx.tree_at(lambda b: b.trajectories, self, trajectories)
 
     def law(
         self,

@@ -784,6 +784,10 @@ class RateLimitedTrajectoryBuffer(RateLimited, AbstractTrajectoryBuffer):
         """The buffer's `read`, not counted."""
         return self.buffer.read(env_ids, starts, window, mask=mask)
 
+    def with_written(self: _RT, streams: Streams) -> _RT:
+        """The buffer's `with_written`, not counted (a write-back inserts nothing)."""
+        return self.with_buffer(self.buffer.with_written(streams))
+
     @reports
     def peek(
         self,

@@ -1,7 +1,7 @@
 """Per-env streams of steps: the storage under every trajectory buffer, as `CircularBuffer` is
 under every replay. The only code that knows where a step of a stream sits."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast, NamedTuple, TypeVar
 
 import equinox as eqx
@@ -65,6 +65,8 @@ class Streams(eqx.Module):
     """The episode bookkeeping (`_episodes.py`), if made with `episodes`; else `None`."""
     num_envs: int = eqx.field(static=True)
     max_length: int = eqx.field(static=True)
+    written_back: tuple[str, ...] = eqx.field(static=True)
+    """The keys of the step that adds may leave out (see `written_back` below)."""
 
     def __init__(
         self,
@@ -73,6 +75,7 @@ class Streams(eqx.Module):
         max_length: int,
         *,
         episodes: Episodes | None = None,
+        written_back: Sequence[str] = (),
     ):
         """**Arguments:**
 
@@ -83,11 +86,16 @@ class Streams(eqx.Module):
             `2**31`.
         - `episodes`: an `Episodes`, to keep where each stored step's episode began and
             ended (`episodes_of`); `None` (the default) keeps nothing.
+        - `written_back`: keys of a dict step whose values adds may leave out, for what a
+            learner writes back into stored steps (`write_back`): a recurrent state, a
+            latent. A step added without them stores zeros there (`False` for booleans);
+            one added with them stores what it is given. Default `()`.
         """
         call = "Streams"
         self.num_envs = check_positive_int(num_envs, f"{call}(num_envs=...)")
         self.max_length = check_positive_int(max_length, f"{call}(max_length=...)")
         spec = as_prototype(prototype, f"{call}(prototype=...)")
+        self.written_back = check_written_back(spec, written_back, call)
         shape = (self.num_envs, self.max_length)
         self.data = jax.tree.map(lambda s: jnp.zeros((*shape, *s.shape), s.dtype), spec)
         self.step_count = jnp.zeros(self.num_envs, jnp.int32)
@@ -224,15 +232,65 @@ def make_streams(
     max_length: int,
     owner: str,
     episodes: Episodes | None = None,
+    written_back: Sequence[str] = (),
 ) -> Streams:
-    """`Streams(prototype, num_envs, max_length, episodes=episodes)` with the arguments
-    checked under the name of the buffer that owns them (`owner`), so that a bad one is
-    reported as that buffer's."""
+    """`Streams(prototype, num_envs, max_length, episodes=episodes, written_back=...)` with
+    the arguments checked under the name of the buffer that owns them (`owner`), so that a
+    bad one is reported as that buffer's."""
     num_envs = check_positive_int(num_envs, f"{owner}(num_envs=...)")
     max_length = check_positive_int(max_length, f"{owner}(max_length=...)")
     spec = as_prototype(prototype, f"{owner}(prototype=...)")
     _book(episodes, spec, num_envs, max_length, owner)  # a bad one is the owner's
-    return Streams(spec, num_envs, max_length, episodes=episodes)
+    written_back = check_written_back(spec, written_back, owner)
+    return Streams(spec, num_envs, max_length, episodes=episodes, written_back=written_back)
+
+
+def check_written_back(
+    spec: PyTree[jax.ShapeDtypeStruct], written_back: Any, call: str
+) -> tuple[str, ...]:
+    """`written_back` as a tuple of distinct keys of the dict step `spec`, else an error
+    quoting `call`."""
+    if isinstance(written_back, str) or not isinstance(written_back, Sequence):
+        raise TypeError(
+            f"`{call}(written_back=...)` must be a tuple of keys of the step, got {written_back!r}."
+        )
+    keys = tuple(written_back)
+    if not keys:
+        return keys
+    if not isinstance(spec, Mapping):
+        raise TypeError(
+            f"`{call}(written_back=...)` names keys of a dict step, but the step is a "
+            f"{type(spec).__name__}; make the step a dict to leave leaves out of adds."
+        )
+    for key in keys:
+        if not isinstance(key, str) or key not in spec:
+            raise ValueError(
+                f"`{call}(written_back=...)`: {key!r} is not a key of the step; its keys are "
+                f"{sorted(map(str, spec))}."
+            )
+    if len(set(keys)) != len(keys) or len(keys) == len(spec):
+        raise ValueError(
+            f"`{call}(written_back=...)` = {keys!r}: the keys must be distinct, and at least "
+            "one key of the step must be left for adds to give."
+        )
+    return keys
+
+
+def filled(streams: Streams, items: PyTree[ArrayLike], axes: int) -> PyTree[ArrayLike]:
+    """`items` (leaves with `axes` leading axes) with the written-back keys it leaves out
+    filled with zeros (`False`), as `Streams(written_back=...)` states."""
+    if not streams.written_back or not isinstance(items, Mapping):
+        return items
+    missing = [k for k in streams.written_back if k not in items]
+    given = jax.tree.leaves({k: v for k, v in items.items() if k not in streams.written_back})
+    if not missing or not given:
+        return items  # the structure check reports what is wrong
+    lead = tuple(np.shape(given[0])[:axes])
+    spec = cast(Mapping[str, Any], streams.item_spec)
+    zeros = {
+        k: jax.tree.map(lambda s: jnp.zeros((*lead, *s.shape), s.dtype), spec[k]) for k in missing
+    }
+    return {**items, **zeros}
 
 
 def episodes_of(streams: Streams, env: Int[Array, "*n"], step: Int[Array, "*n"]) -> EpisodeInfo:
@@ -284,6 +342,7 @@ def check_append(
     length)` (which envs take steps, and how many each). A bad id writes nothing (its row is
     `num_envs`, which the scatter drops), whatever `EQX_ON_ERROR` says. Every fault is known
     before the write: in a recording call (`throw=False`) a faulty append writes nothing."""
+    items = filled(streams, items, 2 if sequences else 1)
     if sequences:
         items, n, length = check_sequences(streams.item_spec, items, call)
     else:
@@ -438,6 +497,117 @@ def check_stale(
     return stamps.stale & valid, faults
 
 
+class WrittenBack(NamedTuple):
+    """What `write_back` did with each of its entries (row `i`, step `t`: the step `starts[i]
+    + t` of env `env_ids[i]`).
+
+    **Fields:**
+
+    - `written`: boolean `(n, T)`, `True` where the entry's value is now stored.
+    - `dropped`: boolean `(n, T)`, `True` where the entry was to be written (its `mask`
+        holds) but its step is no longer stored (a newer step took its slot) or was never
+        taken (past the env's newest step): nothing was written there.
+
+    An entry that is neither was masked out, or its step was written by a later row of the
+    same call (later rows win).
+    """
+
+    written: Bool[Array, "n T"]
+    dropped: Bool[Array, "n T"]
+
+    @property
+    def num_dropped(self) -> Int[Array, ""]:
+        """How many entries were dropped, an int32 scalar."""
+        return jnp.sum(self.dropped, dtype=jnp.int32)
+
+
+def check_write_back(
+    streams: Streams,
+    env_ids: Integer[ArrayLike, " n"],
+    starts: Integer[ArrayLike, " n"],
+    values: Mapping[str, PyTree[ArrayLike]],
+    mask: Bool[ArrayLike, "n T"] | None,
+    call: str,
+) -> tuple[Streams, WrittenBack, list[Fault]]:
+    """The door of `write_back`: the arguments checked, the streams with every entry written
+    whose step is still stored (the last row wins where rows share a step), what was done
+    with each entry, and the faults (bad stamps). Nothing is written where a fault holds in a
+    recording call."""
+    items, n, length = _check_values(streams, values, call)
+    stamps = check_stamps(streams, env_ids, starts, call, ndim=1)
+    if stamps.env.shape[0] != n:
+        raise ValueError(
+            f"`{call}`: `values` hold {n} rows, but there are {stamps.env.shape[0]} stamps; "
+            "one row of values per stamp."
+        )
+    if length > streams.max_length:
+        raise ValueError(
+            f"`{call}`: `values` hold {length} steps per row, more than max_length = "
+            f"{streams.max_length} steps that a stream stores."
+        )
+    wanted = jnp.ones((n, length), jnp.bool_)
+    if mask is not None:
+        wanted = check_mask_like(mask, wanted, call)
+    wanted = wanted & ~stamps.bad[:, None]
+    t = jnp.arange(length, dtype=jnp.int32)[None, :]
+    # Step `start + t` is taken and still stored; written as differences, nothing overflows.
+    ahead = (stamps.taken - stamps.start)[:, None]
+    oldest = (stamps.taken - stamps.length - stamps.start)[:, None]
+    stored = (t < ahead) & (t >= oldest)
+    live = wanted & stored
+    m = streams.max_length
+    slots = ring_add((stamps.start % m)[:, None], t, m)
+    # Later rows win: among the entries of one slot, the last in row order is written. A
+    # stable sort of the slots keeps row order within a slot; no two steps of one row share
+    # a slot (T <= max_length).
+    cells = streams.num_envs * m
+    key = jnp.where(live, stamps.env[:, None] * m + slots, cells).reshape(-1)
+    order = jnp.argsort(key, stable=True)
+    ranked = key[order]
+    last = jnp.concatenate([ranked[1:] != ranked[:-1], jnp.ones(1, jnp.bool_)]) & (ranked < cells)
+    written = jnp.zeros(key.shape, jnp.bool_).at[order].set(last, unique_indices=True)
+    written = written.reshape(n, length)
+    faults = stamps.faults
+    with vetoing(faults):
+        vetoed = veto()
+        if vetoed is not None:
+            written = written & ~vetoed
+        rows = jnp.where(written, stamps.env[:, None], streams.num_envs)
+        data = dict(cast(Mapping[str, Any], streams.data))
+        for key_, value in items.items():
+            data[key_] = jax.tree.map(lambda x, y: scatter_at(x, rows, slots, y), data[key_], value)
+    new = eqx.tree_at(lambda s: s.data, streams, type(streams.data)(data))
+    return new, WrittenBack(written, wanted & ~stored), faults
+
+
+def _check_values(
+    streams: Streams, values: Any, call: str
+) -> tuple[dict[str, PyTree[Array]], int, int]:
+    """`write_back`'s `values`: a dict of keys of the (dict) step, each with its subtree's
+    structure and leaves `[n, T, *shape]` of the stored dtypes, the same `n` and `T` for all;
+    returned as JAX arrays with `n` and `T`."""
+    spec = streams.item_spec
+    if not isinstance(spec, Mapping):
+        raise TypeError(
+            f"`{call}`: `values` name keys of a dict step, but the step is a "
+            f"{type(spec).__name__}; write back into a buffer of dict steps."
+        )
+    if not isinstance(values, Mapping) or not values:
+        raise TypeError(
+            f"`{call}`: `values` must be a non-empty dict of keys of the step (such as "
+            f"{{'state': states}}), got {type(values).__name__}."
+        )
+    unknown = [k for k in values if k not in spec]
+    if unknown:
+        raise ValueError(
+            f"`{call}`: `values` has keys {unknown!r} that the step does not have; its keys "
+            f"are {sorted(map(str, spec))}."
+        )
+    sub = {k: spec[k] for k in values}
+    items, n, length = check_sequences(sub, dict(values), f"{call}(values=...)")
+    return items, n, length
+
+
 def append_steps(
     streams: _S, items: PyTree[Array], rows: Int[Array, " n"] | None, length: int
 ) -> tuple[_S, Bool[Array, " num_envs"]]:
@@ -558,12 +728,18 @@ def checked_streams(
     item_spec: PyTree,
     call: str,
     episodes: Episodes | None = None,
+    written_back: tuple[str, ...] | None = None,
 ) -> Streams:
     """`streams` if it is a `Streams` of this configuration, else an error quoting `call`."""
     if not isinstance(streams, Streams):
         raise TypeError(f"`{call}`: expected a `dx.Streams`, got {type(streams).__name__}.")
     mine = (num_envs, max_length, item_spec)
     theirs = (streams.num_envs, streams.max_length, streams.item_spec)
+    if written_back is not None and streams.written_back != written_back:
+        raise ValueError(
+            f"`{call}`: the streams' written-back keys are {streams.written_back}, but this "
+            f"buffer's are {written_back}; they must be the same."
+        )
     if mine != theirs:
         raise ValueError(
             f"`{call}`: the streams have (num_envs, max_length, steps) = {theirs}, but "

@@ -1,6 +1,6 @@
 """TrajectoryBuffer: per-env streams with a replay window and an online queue."""
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast, ClassVar, TypeVar
 
 import equinox as eqx
@@ -129,6 +129,7 @@ class TrajectoryBuffer(AbstractTrajectoryBuffer):
         max_length: int,
         *,
         episodes: Episodes | None = None,
+        written_back: Sequence[str] = (),
         throw: bool = True,
     ):
         """**Arguments:**
@@ -143,13 +144,19 @@ class TrajectoryBuffer(AbstractTrajectoryBuffer):
             (`episodes_of`), at O(1) per added step and three int32 arrays of the storage's
             `(num_envs, max_length)`; what goal relabelling (`sample(..., relabel=...)`)
             needs. `None` (the default) keeps nothing.
+        - `written_back`: keys of a dict step that adds may leave out: what a learner
+            writes into stored steps with `write_back` (a recurrent state, a latent). A step
+            added without them stores zeros there (`False` for booleans); one added with
+            them stores what it is given. Default `()`.
         - `throw`: how a fault (a fact of the data: an empty buffer, an index out of range)
             is reported: raised at the faulty call (`True`, the default), or kept as the
             buffer's `result` and beside what a read returns (`False`: no conditional and no
             callback is compiled; see the guide's "Faults as results").
         """
         self.result = initial_result(throw, "TrajectoryBuffer(throw=...)")
-        self.streams = make_streams(prototype, num_envs, max_length, "TrajectoryBuffer", episodes)
+        self.streams = make_streams(
+            prototype, num_envs, max_length, "TrajectoryBuffer", episodes, written_back
+        )
         self.online_length = jnp.zeros(self.streams.num_envs, jnp.int32)
 
     @property
@@ -182,6 +189,9 @@ class TrajectoryBuffer(AbstractTrajectoryBuffer):
         streams = self._check_streams(streams, "TrajectoryBuffer.with_streams")
         online = jnp.zeros(streams.num_envs, jnp.int32)
         return eqx.tree_at(lambda b: (b.streams, b.online_length), self, (streams, online))
+
+    def with_written(self: _TB, streams: Streams) -> _TB:
+        return eqx.tree_at(lambda b: b.streams, self, streams)
 
     def reset_online_queue(self: _TB) -> _TB:
         """Empty the online queue of every env; the replay windows keep all their steps."""
