@@ -11,6 +11,7 @@ from ._abstract import (
 )
 from ._clustered import ClusteredReplay as ClusteredReplay
 from ._dataset import Dataset as Dataset
+from ._episode_laws import EpisodeSample as EpisodeSample, WholeEpisode as WholeEpisode
 from ._episodes import EpisodeInfo as EpisodeInfo, Episodes as Episodes
 from ._global import AbstractGlobalBuffer as AbstractGlobalBuffer
 from ._global_replay import GlobalReplay as GlobalReplay

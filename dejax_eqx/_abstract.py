@@ -19,6 +19,7 @@ from jaxtyping import (
 )
 
 from ._checks import check_bool, check_positive_int
+from ._episode_laws import WholeEpisode
 from ._episodes import EpisodeInfo, Episodes
 from ._faults import check_faults, Fault
 from ._laws import AbstractLaw, draw_from, sample_with, split_union
@@ -703,7 +704,7 @@ class AbstractTrajectoryBuffer(AbstractBuffer):
 
     def law(
         self,
-        what: Window | NStep | None = None,
+        what: Window | NStep | WholeEpisode | None = None,
         *,
         distribution_power: Real[ArrayLike, ""] | None = None,
         source: Source | Mapping[Source, int] | None = None,
@@ -732,7 +733,7 @@ class AbstractTrajectoryBuffer(AbstractBuffer):
         self,
         key: PRNGKeyArray,
         batch_size: int,
-        what: Window | NStep | None = None,
+        what: Window | NStep | WholeEpisode | None = None,
         *,
         distribution_power: Real[ArrayLike, ""] | None = None,
         source: Source | Mapping[Source, int] | None = None,
@@ -748,7 +749,8 @@ class AbstractTrajectoryBuffer(AbstractBuffer):
         - `key`: a JAX PRNG key. It is used, never stored.
         - `batch_size`: the number of rows, a positive Python int (static).
         - `what`: what a row is: a `Window` (static) for windows, as a `SequenceSample`; an
-            `NStep` (static) for n-step transitions, as `Transitions`. A prioritised buffer
+            `NStep` (static) for n-step transitions, as `Transitions`; a `WholeEpisode`
+            (static) for whole episodes, as an `EpisodeSample`. A prioritised buffer
             draws its own window (`None`, or a `Window` of the same parts that masks
             episode ends otherwise).
         - `distribution_power`: windows of a `TrajectoryBuffer`: a start whose window holds

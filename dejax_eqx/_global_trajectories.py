@@ -25,6 +25,7 @@ from ._checks import (
     plural,
 )
 from ._dataset import Dataset
+from ._episode_laws import WholeEpisode
 from ._faults import check_faults, collect_faults, Fault
 from ._global import (
     AbstractGlobalBuffer,
@@ -184,7 +185,7 @@ class GlobalTrajectoryBuffer(AbstractGlobalBuffer, AbstractTrajectoryBuffer):
 
     def law(
         self,
-        what: Window | NStep | None = None,
+        what: Window | NStep | WholeEpisode | None = None,
         *,
         distribution_power: Real[ArrayLike, ""] | None = None,
         source: Source | Mapping[Source, int] | None = None,
@@ -212,7 +213,7 @@ class GlobalTrajectoryBuffer(AbstractGlobalBuffer, AbstractTrajectoryBuffer):
         self,
         key: PRNGKeyArray,
         batch_size: int,
-        what: Window | NStep | None = None,
+        what: Window | NStep | WholeEpisode | None = None,
         *,
         distribution_power: Real[ArrayLike, ""] | None = None,
         source: Source | Mapping[Source, int] | None = None,

@@ -220,10 +220,130 @@ class AbstractEnumerableLaw(AbstractLaw):
         """How many candidates `buffer` has (static): a candidate's index in the union is
         `owner · num_candidates + index`."""
 
+    def finish_drawn(
+        self,
+        rows: PyTree[Array],
+        index: Int[Array, " batch"],
+        probabilities: Float[Array, " batch"],
+        log_mass: Float[Array, " batch"],
+        owner: Int[Array, " batch"],
+        summaries: PyTree[Array],
+    ) -> Any:
+        """The sample of candidates `index` drawn by a law that lists them (`CandidateLaw`:
+        read as `rows`, with their probabilities and log masses), named in the union whose
+        summaries (this law's) are `summaries`. By default the rows named
+        (`name_candidates`); a law with masses gives its weights here."""
+        return self.name_candidates(rows, owner, summaries)
+
     def generations(self, buffer: Any, index: Int[Array, " batch"]) -> Array | None:
         """The write generation of candidates `index`, for a later priority update that must
         not land on newer data; `None` where the buffer has none."""
         return None
+
+
+def finite_top(top: Float[Array, "*s"]) -> Float[Array, "*s"]:
+    """A scale for weights whose largest log is `top`: 0 when none is finite."""
+    return jnp.where(jnp.isfinite(top), top, 0)
+
+
+def weights_summary(log_p: Float[Array, " c"]) -> tuple[Float[Array, ""], Float[Array, ""]]:
+    """What a buffer of candidates of log weights `log_p` tells a draw over a union: the
+    largest log weight (its scale) and the sum of the weights on that scale."""
+    top = jnp.max(log_p)
+    return top, jnp.sum(jnp.exp(log_p - finite_top(top)))
+
+
+def union_scales(
+    tops: Float[Array, " k"], totals: Float[Array, " k"]
+) -> tuple[Float[Array, " k"], Float[Array, " k"]]:
+    """Each buffer's factor from its own scale to the union's, and its mass on the union's
+    scale (0 for a buffer with nothing to draw), from its `weights_summary`."""
+    union = finite_top(jnp.max(tops))
+    scale = jnp.where(jnp.isfinite(tops), jnp.exp(tops - union), 0)
+    return scale, totals * scale
+
+
+def draw_weighed(
+    key: PRNGKeyArray,
+    batch_size: int,
+    tops: Float[Array, " k"],
+    totals: Float[Array, " k"],
+    stratified: bool,
+) -> Draw:
+    """Rows drawn over a union of buffers of listed candidates: the buffer whose slice of
+    the total holds each target, and the target on that buffer's own scale (`at`), where
+    `find_weighed` finds the candidate. A draw by inverse CDF over every candidate."""
+    scale, masses = union_scales(tops, totals)
+    targets = float_targets(key, batch_size, jnp.sum(masses), stratified)
+    owner, residual = locate(targets, masses)
+    at = jnp.where(scale[owner] > 0, residual / jnp.where(scale[owner] > 0, scale[owner], 1), 0)
+    return Draw(owner, at)
+
+
+def find_weighed(
+    log_p: Float[Array, " c"], at: Float[Array, " batch"]
+) -> tuple[Int[Array, " batch"], Float[Array, " c"]]:
+    """The candidate of each target `at` (on this buffer's scale) among candidates of log
+    weights `log_p`, and every candidate's weight on that scale. The first candidate whose
+    cumulative weight exceeds the target: never one of weight 0, whose cumulative weight
+    equals its predecessor's; a target rounded up to the total goes to the last candidate of
+    positive weight."""
+    weight = jnp.exp(log_p - finite_top(jnp.max(log_p)))
+    cdf = jnp.cumsum(weight)
+    index = jnp.searchsorted(cdf, at, side="right", method="scan_unrolled")
+    last = weight.shape[0] - 1 - jnp.argmax(weight[::-1] > 0)
+    return jnp.minimum(index, last).astype(jnp.int32), weight
+
+
+class CandidateLaw(AbstractEnumerableLaw):
+    """A law drawn by listing its candidates (`candidates`), each with probability in
+    proportion to its weight (`log_law` plus `log_mass`), by inverse CDF over their
+    cumulative sum: O(candidates) per draw. Over a union, each buffer's weights are scaled by
+    its own largest (so that none overflows) and summarised by that scale and their sum.
+
+    For the laws whose candidates are not drawn in closed form: windows that start at an
+    episode's first step, whole episodes. `finish` names the rows in the union and gives
+    probabilities (and weights, where there are masses to correct) through `finish_drawn`.
+    """
+
+    stratified: eqx.AbstractVar[bool]
+    """Whether a batch takes one row from each of its equal slices of the total (static)."""
+
+    @property
+    def independent_rows(self) -> bool:
+        return not self.stratified
+
+    @abc.abstractmethod
+    def inner_summary(self, buffer: Any) -> PyTree[Array]:
+        """The numbers of `buffer` that the faults need (the summary of a law this one is
+        made over), beside the weights' own."""
+
+    def summary(self, buffer: Any) -> PyTree[Array]:
+        c = self.candidates(buffer)
+        log_p = c.log_law if c.log_mass is None else c.log_law + c.log_mass
+        return self.inner_summary(buffer), *weights_summary(log_p)
+
+    def draw(self, key: PRNGKeyArray, batch_size: int, summaries: PyTree[Array]) -> Draw:
+        _, tops, totals = summaries
+        return draw_weighed(key, batch_size, tops, totals, self.stratified)
+
+    def read(self, buffer: Any, at: PyTree[Array]) -> PyTree[Array]:
+        c = self.candidates(buffer)
+        log_p = c.log_law if c.log_mass is None else c.log_law + c.log_mass
+        index, weight = find_weighed(log_p, at)
+        mass = jnp.zeros_like(weight) if c.log_mass is None else c.log_mass
+        return self.read_candidates(buffer, index), index, weight[index], mass[index]
+
+    def finish(self, rows: PyTree[Array], draw: Draw, summaries: PyTree[Array]) -> Any:
+        rows, index, weight, log_mass = rows
+        _, tops, totals = summaries
+        scale, masses = union_scales(tops, totals)
+        probabilities = probability(weight * scale[draw.owner], jnp.sum(masses))
+        return self.finish_drawn(rows, index, probabilities, log_mass, draw.owner, summaries)
+
+    def available(self, summaries: PyTree[Array]) -> Bool[Array, ""]:
+        _, tops, totals = summaries
+        return jnp.sum(union_scales(tops, totals)[1]) > 0
 
 
 def in_range(x: Int[Array, "*n"], size: int) -> Int[Array, "*n"]:

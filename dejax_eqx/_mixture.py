@@ -27,6 +27,7 @@ from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray, PyTree, Real
 
 from ._abstract import AbstractTrajectoryBuffer, Source
 from ._checks import check_positive_int
+from ._episode_laws import WholeEpisode
 from ._faults import check_faults, Fault, recording
 from ._laws import KeptRows, mixture_rows
 from ._nstep import NStep
@@ -78,7 +79,7 @@ class Part(eqx.Module):
     """
 
     buffer: str = eqx.field(static=True)
-    what: Window | NStep | None
+    what: Window | NStep | WholeEpisode | None
     source: Source | None = eqx.field(static=True)
     distribution_power: Real[ArrayLike, ""] | None
     discount: Real[ArrayLike, ""] | None
@@ -90,7 +91,7 @@ class Part(eqx.Module):
     def __init__(
         self,
         buffer: str,
-        what: Window | NStep | None = None,
+        what: Window | NStep | WholeEpisode | None = None,
         *,
         source: Source | None = None,
         distribution_power: Real[ArrayLike, ""] | None = None,

@@ -24,12 +24,14 @@ from ._laws import (
     AbstractEnumerableLaw,
     AbstractLaw,
     Draw,
-    float_targets,
+    draw_weighed,
+    find_weighed,
     in_union,
-    locate,
     mixture_rows,
     MixtureRows,
     probability,
+    union_scales,
+    weights_summary,
 )
 
 
@@ -292,36 +294,15 @@ class AgedLaw(AbstractLaw):
 
     def summary(self, buffer: Any) -> PyTree[Array]:
         log_p, _, future, _ = self._weigh(buffer)
-        top = jnp.max(log_p)
-        total = jnp.sum(jnp.exp(log_p - _finite(top)))
-        return self.base.summary(buffer), top, total, future
-
-    def _scales(self, summaries: PyTree[Array]) -> tuple[Array, Array]:
-        """Each buffer's factor from its own scale to the union's, and its mass on the
-        union's scale (0 for a buffer with nothing to draw)."""
-        _, tops, totals, _ = summaries
-        union = _finite(jnp.max(tops))
-        scale = jnp.where(jnp.isfinite(tops), jnp.exp(tops - union), 0)
-        return scale, totals * scale
+        return self.base.summary(buffer), *weights_summary(log_p), future
 
     def draw(self, key: PRNGKeyArray, batch_size: int, summaries: PyTree[Array]) -> Draw:
-        scale, masses = self._scales(summaries)
-        targets = float_targets(key, batch_size, jnp.sum(masses), self.stratified)
-        owner, residual = locate(targets, masses)
-        # Back on the owner's own scale, where it finds the candidate.
-        at = jnp.where(scale[owner] > 0, residual / jnp.where(scale[owner] > 0, scale[owner], 1), 0)
-        return Draw(owner, at)
+        _, tops, totals, _ = summaries
+        return draw_weighed(key, batch_size, tops, totals, self.stratified)
 
     def read(self, buffer: Any, at: PyTree[Array]) -> PyTree[Array]:
         log_p, ages, _, log_mass = self._weigh(buffer)
-        weight = jnp.exp(log_p - _finite(jnp.max(log_p)))
-        cdf = jnp.cumsum(weight)
-        # The first candidate whose cumulative weight exceeds the target: never one of weight
-        # 0, whose cumulative weight equals its predecessor's. A target rounded up to the
-        # total goes to the last candidate of positive weight.
-        index = jnp.searchsorted(cdf, at, side="right", method="scan_unrolled")
-        last = weight.shape[0] - 1 - jnp.argmax(weight[::-1] > 0)
-        index = jnp.minimum(index, last).astype(jnp.int32)
+        index, weight = find_weighed(log_p, at)
         mass = jnp.zeros_like(weight) if log_mass is None else log_mass
         rows = self.base.read_candidates(buffer, index)
         return (
@@ -335,7 +316,7 @@ class AgedLaw(AbstractLaw):
 
     def finish(self, rows: PyTree[Array], draw: Draw, summaries: PyTree[Array]) -> AgedSample:
         rows, index, ages, weight, log_mass, generations = rows
-        scale, masses = self._scales(summaries)
+        scale, masses = union_scales(*summaries[1:3])
         probabilities = probability(weight * scale[draw.owner], jnp.sum(masses))
         if self.beta is None:
             weights = jnp.ones_like(probabilities)
@@ -348,7 +329,7 @@ class AgedLaw(AbstractLaw):
         return AgedSample(rows, indices, ages, probabilities, weights, generations)
 
     def available(self, summaries: PyTree[Array]) -> Bool[Array, ""]:
-        return jnp.sum(self._scales(summaries)[1]) > 0
+        return jnp.sum(union_scales(*summaries[1:3])[1]) > 0
 
     def faults(self, summaries: PyTree[Array], call: str) -> list[Fault]:
         base, _, _, future = summaries
@@ -368,11 +349,6 @@ class AgedLaw(AbstractLaw):
                 "can be drawn",
             ),
         ]
-
-
-def _finite(top: Float[Array, "*s"]) -> Float[Array, "*s"]:
-    """A scale for weights whose largest log is `top`: 0 when none is finite."""
-    return jnp.where(jnp.isfinite(top), top, 0)
 
 
 def _item_of(noun: str) -> str:

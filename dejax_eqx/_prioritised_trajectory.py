@@ -22,6 +22,7 @@ from ._checks import (
     Prototype,
 )
 from ._deprecated import deprecated_property
+from ._episode_laws import EpisodeStartLaw, require_episodes, WholeEpisode
 from ._episodes import Episodes
 from ._faults import check_faults, Fault, vetoing
 from ._laws import (
@@ -243,7 +244,7 @@ class PrioritisedTrajectoryBuffer(AbstractTrajectoryBuffer, HasPriorities):
 
     def law(
         self,
-        what: Window | NStep | None = None,
+        what: Window | NStep | WholeEpisode | None = None,
         *,
         distribution_power: Real[ArrayLike, ""] | None = None,
         source: Source | Mapping[Source, int] | None = None,
@@ -266,7 +267,10 @@ class PrioritisedTrajectoryBuffer(AbstractTrajectoryBuffer, HasPriorities):
         dtype = self.priorities.max_priority.dtype
         beta, faults = check_beta(1.0 if beta is None else beta, call, dtype)
         k, capacity = self.num_envs, self.priorities.tree.capacity
-        base = PrioritisedWindowLaw(window, beta, k, capacity, self.stratified)
+        base: Any = PrioritisedWindowLaw(window, beta, k, capacity, self.stratified)
+        if window.starts == "episode":
+            require_episodes(self.streams, "`Window(starts='episode')`", call)
+            base = EpisodeStartLaw(inner=base, stratified=self.stratified)
         if relabel is not None:
             return relabelled_law(base, relabel, self.streams, window, None, age, call), faults
         if age is None:
@@ -280,7 +284,7 @@ class PrioritisedTrajectoryBuffer(AbstractTrajectoryBuffer, HasPriorities):
         self,
         key: PRNGKeyArray,
         batch_size: int,
-        what: Window | NStep | None = None,
+        what: Window | NStep | WholeEpisode | None = None,
         *,
         distribution_power: Real[ArrayLike, ""] | None = None,
         source: Source | Mapping[Source, int] | None = None,
@@ -641,6 +645,25 @@ class PrioritisedWindowLaw(AbstractEnumerableLaw):
         sample = self.name_candidates(rows.sample, draw.owner, summaries)
         return PrioritisedSequenceSample(
             sample, in_union(draw.owner, rows.indices, self.capacity), p, w
+        )
+
+    def finish_drawn(
+        self,
+        rows: SequenceSample,
+        index: Int[Array, " batch"],
+        probabilities: Float[Array, " batch"],
+        log_mass: Float[Array, " batch"],
+        owner: Int[Array, " batch"],
+        summaries: PyTree[Array],
+    ) -> PrioritisedSequenceSample:
+        """Windows drawn among some of the held ones (`Window(starts="episode")`): the
+        importance weights toward the uniform law over those, `mass ** -β` normalised by the
+        batch's largest (as `importance_weights` is over all of them)."""
+        log_w = -self.beta.astype(log_mass.dtype) * log_mass
+        w = jnp.exp(log_w - jnp.max(log_w)).astype(probabilities.dtype)
+        sample = self.name_candidates(rows, owner, summaries)
+        return PrioritisedSequenceSample(
+            sample, in_union(owner, index, self.capacity), probabilities, w
         )
 
     def available(self, summaries: PyTree[Array]) -> Bool[Array, ""]:

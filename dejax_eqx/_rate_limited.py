@@ -46,6 +46,7 @@ from ._abstract import (
     WindowPriorities,
 )
 from ._checks import check_nonnegative_int, check_positive_int
+from ._episode_laws import WholeEpisode
 from ._faults import check_faults, collect_faults, Fault, is_recording, vetoing
 from ._int64 import add_product, less_equal
 from ._laws import AbstractLaw
@@ -681,7 +682,7 @@ class RateLimitedTrajectoryBuffer(RateLimited, AbstractTrajectoryBuffer):
 
     def law(
         self,
-        what: Window | NStep | None = None,
+        what: Window | NStep | WholeEpisode | None = None,
         *,
         distribution_power: Real[ArrayLike, ""] | None = None,
         source: Source | Mapping[Source, int] | None = None,
@@ -709,7 +710,7 @@ class RateLimitedTrajectoryBuffer(RateLimited, AbstractTrajectoryBuffer):
         self: _RT,
         key: PRNGKeyArray,
         batch_size: int,
-        what: Window | NStep | None = None,
+        what: Window | NStep | WholeEpisode | None = None,
         *,
         distribution_power: Real[ArrayLike, ""] | None = None,
         source: Source | Mapping[Source, int] | None = None,

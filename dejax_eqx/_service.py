@@ -22,6 +22,7 @@ from jaxtyping import Array, ArrayLike, Bool, Integer, PRNGKeyArray, PyTree, Rea
 
 from ._abstract import AbstractTrajectoryBuffer, Source
 from ._checks import check_bool, check_nonnegative_float, check_positive_int, plural
+from ._episode_laws import WholeEpisode
 from ._nstep import NStep
 from ._policy_age import PolicyAge
 from ._rate_limited import checked_rate_limited, insert_units, RateLimited
@@ -548,7 +549,11 @@ def _draw(
 
 
 def _sample_options(
-    buffer: Any, trajectories: bool, what: Window | NStep | None, given: dict[str, Any], call: str
+    buffer: Any,
+    trajectories: bool,
+    what: Window | NStep | WholeEpisode | None,
+    given: dict[str, Any],
+    call: str,
 ) -> dict[str, Any]:
     """`sample`'s options given (those not `None`), checked at the door, before any wait: the
     law they ask for is made (from the buffer's static configuration) and dropped."""
@@ -789,7 +794,7 @@ class ReplayService:
         self,
         key: PRNGKeyArray,
         batch_size: int,
-        what: Window | NStep | None = None,
+        what: Window | NStep | WholeEpisode | None = None,
         *,
         distribution_power: Real[ArrayLike, ""] | None = None,
         source: Source | Mapping[Source, int] | None = None,

@@ -299,6 +299,26 @@ def episodes_of(streams: Streams, env: Int[Array, "*n"], step: Int[Array, "*n"])
     return streams.book.info(env, step, streams.step_count)
 
 
+def slot_episodes(streams: Streams) -> tuple[EpisodeInfo, Int[Array, "num_envs max_length"]]:
+    """The episode of the step in every slot (`EpisodeInfo` of shape `(num_envs,
+    max_length)`) and that step's absolute number; meaningless where the slot holds no
+    stored step (`step_backs` says which do)."""
+    assert streams.book is not None, "the caller checks that the streams keep episodes"
+    env = jnp.arange(streams.num_envs, dtype=jnp.int32)[:, None]
+    step = streams.step_count[:, None] - step_backs(streams)
+    safe = jnp.maximum(step, 0)
+    return streams.book.info(jnp.broadcast_to(env, safe.shape), safe, streams.step_count), step
+
+
+def episode_starts(streams: Streams) -> Bool[Array, "num_envs max_length"]:
+    """Whether each slot holds a stored step that is the first step of its episode (an
+    auto-reset step begins none; a step whose episode's first step is not known, after a
+    restore, is not one)."""
+    info, step = slot_episodes(streams)
+    stored = step_backs(streams) <= streams.lengths[:, None]
+    return stored & ~info.reset & (info.first == step)
+
+
 # ---------------------------------------------------------------------------------------------
 # The doors of the operations above, for buffers that add their own checks: each checks its
 # arguments at trace time and returns its result with the faults the caller passes, together

@@ -19,6 +19,7 @@ from ._checks import (
     Prototype,
 )
 from ._deprecated import warn_replaced
+from ._episode_laws import EpisodeStartLaw, require_episodes, WholeEpisode, WholeEpisodeLaw
 from ._episodes import Episodes
 from ._faults import check_faults, Fault
 from ._laws import (
@@ -199,7 +200,7 @@ class TrajectoryBuffer(AbstractTrajectoryBuffer):
 
     def law(
         self,
-        what: Window | NStep | None = None,
+        what: Window | NStep | WholeEpisode | None = None,
         *,
         distribution_power: Real[ArrayLike, ""] | None = None,
         source: Source | Mapping[Source, int] | None = None,
@@ -227,8 +228,13 @@ class TrajectoryBuffer(AbstractTrajectoryBuffer):
         parts_of = _PARTS.get(type(what))
         if parts_of is None:
             raise TypeError(
-                f"`{call}`: `what` must be a `dx.Window` (windows) or a `dx.NStep` (n-step "
-                f"transitions), got {what!r}."
+                f"`{call}`: `what` must be a `dx.Window` (windows), a `dx.NStep` (n-step "
+                f"transitions) or a `dx.WholeEpisode` (whole episodes), got {what!r}."
+            )
+        if relabel is not None and parts_of is _episode_parts:
+            raise TypeError(
+                f"`{call}`: `relabel` relabels windows and transitions; whole episodes "
+                "(`dx.WholeEpisode`) are not relabelled. Sample windows to relabel them."
             )
         parts, faults = parts_of(self, what, sources, distribution_power, discount, call)
         gamma = getattr(parts[0], "gamma", None)  # an n-step law's discount
@@ -241,7 +247,9 @@ class TrajectoryBuffer(AbstractTrajectoryBuffer):
             law: AbstractLaw = MixedLaw(tuple(parts), tuple(sources.values()), call)
         else:
             law = parts[0]
-        what = cast(Window | NStep, what)  # `_PARTS` took nothing else
+        if relabel is None:
+            return law, faults
+        what = cast(Window | NStep, what)  # whole episodes are refused above
         return relabelled_law(law, relabel, self.streams, what, gamma, age, call), faults
 
     @reports
@@ -249,7 +257,7 @@ class TrajectoryBuffer(AbstractTrajectoryBuffer):
         self,
         key: PRNGKeyArray,
         batch_size: int,
-        what: Window | NStep | int | None = None,
+        what: Window | NStep | WholeEpisode | int | None = None,
         *,
         distribution_power: Real[ArrayLike, ""] | None = None,
         source: Source | Mapping[Source, int] | None = None,
@@ -281,7 +289,7 @@ class TrajectoryBuffer(AbstractTrajectoryBuffer):
         return super().sample(
             key,
             batch_size,
-            cast(Window | NStep, what),
+            cast(Window | NStep | WholeEpisode, what),
             distribution_power=distribution_power,
             source=source,
             discount=discount,
@@ -452,7 +460,30 @@ def _window_parts(
             "has none."
         )
     power, faults = check_power(1.0 if distribution_power is None else distribution_power, call)
-    return [WindowLaw(window, power, s) for s in sources], faults
+    laws: list[Any] = [WindowLaw(window, power, s) for s in sources]
+    if window.starts == "episode":
+        require_episodes(buffer.streams, "`Window(starts='episode')`", call)
+        laws = [EpisodeStartLaw(inner=law, stratified=False) for law in laws]
+    return laws, faults
+
+
+def _episode_parts(
+    buffer: TrajectoryBuffer,
+    episode: WholeEpisode,
+    sources: dict[Source, int],
+    distribution_power: Real[ArrayLike, ""] | None,
+    discount: Real[ArrayLike, ""] | None,
+    call: str,
+) -> tuple[list[WholeEpisodeLaw], list[Fault]]:
+    """The laws of whole episodes from each source (they take no options)."""
+    episode.check(buffer.streams, call)
+    for name, value in [("distribution_power", distribution_power), ("discount", discount)]:
+        if value is not None:
+            raise TypeError(
+                f"`{call}({name}=...)`: whole episodes are drawn uniformly, each whole; "
+                f"they take no `{name}`. Leave it out."
+            )
+    return [WholeEpisodeLaw(episode=episode, source=s) for s in sources], []
 
 
 def _transition_parts(
@@ -481,6 +512,7 @@ def _transition_parts(
 _PARTS: dict[type, Callable[..., tuple[list[Any], list[Fault]]]] = {
     Window: _window_parts,
     NStep: _transition_parts,
+    WholeEpisode: _episode_parts,
 }
 
 

@@ -28,6 +28,8 @@ from ._streams import gather_steps, Streams
 
 EpisodeEnds = Literal["cross", "truncate", "within"]
 _EPISODE_ENDS: tuple[EpisodeEnds, ...] = ("cross", "truncate", "within")
+Starts = Literal["any", "episode"]
+_STARTS: tuple[Starts, ...] = ("any", "episode")
 
 
 class SequenceSample(NamedTuple):
@@ -93,6 +95,16 @@ class Window(eqx.Module):
         probability proportional to `r ** distribution_power` (an argument of `sample`), over
         all envs and starts together.
 
+    With `starts="episode"`, a start must also be the first step of an episode, as the
+    buffer's `Episodes` says (the buffer must be made with `episodes=`): windows for memory
+    models that begin where their recurrent state does, without burn-in. Among such starts
+    the law is the same (uniform when strict, `r ** distribution_power` otherwise; by
+    priority in a `PrioritisedTrajectoryBuffer`), drawn by listing every stored step,
+    O(num_envs · max_length) per call. An auto-reset step begins no episode, nor does a
+    step whose episode's first step is not known (the oldest steps of restored streams).
+    When no admissible start is an episode's first step, the sample fails (or reports it,
+    with `throw=False`); it never falls back to other starts.
+
     Envs without such a start are never drawn. At an episode end inside a window:
 
     - `episode_ends="cross"` (the default): nothing happens; windows run on into the next
@@ -138,6 +150,7 @@ class Window(eqx.Module):
     strict: bool = eqx.field(static=True)
     episode_ends: EpisodeEnds = eqx.field(static=True)
     done: tuple[LeafName, ...] = eqx.field(static=True)
+    starts: Starts = eqx.field(static=True)
 
     def __init__(
         self,
@@ -149,6 +162,7 @@ class Window(eqx.Module):
         strict: bool = False,
         episode_ends: EpisodeEnds = "cross",
         done: LeafName | tuple[LeafName, ...] | None = None,
+        starts: Starts = "any",
     ):
         """**Arguments:**
 
@@ -160,6 +174,8 @@ class Window(eqx.Module):
         - `episode_ends`: `"cross"` (the default), `"truncate"` or `"within"`.
         - `done`: the episode-end leaf or leaves; required unless `episode_ends="cross"`,
             refused with it.
+        - `starts`: `"any"` (the default) or `"episode"`: only an episode's first step may
+            start a window.
 
         **Raises:** `ValueError`/`TypeError` at once for a bad value. Whether `done` names
         boolean leaves of one value per step, and whether `W` fits in a buffer's
@@ -172,6 +188,7 @@ class Window(eqx.Module):
         self.period = check_positive_int(period, f"{call}(period=...)")
         self.strict = check_bool(strict, f"{call}(strict=...)")
         self.episode_ends = check_choice(episode_ends, _EPISODE_ENDS, f"{call}(episode_ends=...)")
+        self.starts = check_choice(starts, _STARTS, f"{call}(starts=...)")
         if episode_ends == "cross":
             if done is not None:
                 raise ValueError(
@@ -223,12 +240,15 @@ class Window(eqx.Module):
             needs.append(f"burn_in + 1 = {self.burn_in + 1} stored steps")
         if self.period > 1:
             needs.append(f"a step number that is a multiple of period = {self.period}")
+        if self.starts == "episode":
+            needs.append("to be the first step of a stored episode")
         return " and ".join(needs) or "a stored step"
 
     def masked_as(self, what: Any, call: str) -> "Window":
         """`what`, a `Window` of this window's parts (`sequence_length`, `burn_in`,
-        `bootstrap`, `period`, `strict`) that may mask episode ends otherwise: how a buffer
-        that draws its own windows is asked to mask them. Else an error quoting `call`."""
+        `bootstrap`, `period`, `strict`) that may mask episode ends otherwise, or draw only
+        the windows that start an episode (`starts`): how a buffer that draws its own windows
+        is asked to mask them. Else an error quoting `call`."""
         if not isinstance(what, Window):
             raise TypeError(
                 f"`{call}`: a PrioritisedTrajectoryBuffer draws its own windows: `what` must be "
@@ -239,7 +259,8 @@ class Window(eqx.Module):
             raise ValueError(
                 f"`{call}`: the buffer's windows are (sequence_length, burn_in, bootstrap, "
                 f"period, strict) = {parts(self)}; a sample may mask them otherwise "
-                f"(`episode_ends`, `done`) but not change them, and {parts(what)} does."
+                f"(`episode_ends`, `done`) or draw those that start an episode (`starts`), "
+                f"but not change them, and {parts(what)} does."
             )
         return what
 
