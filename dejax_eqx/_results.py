@@ -150,6 +150,12 @@ _TEXTS: dict[str, str] = {
     "bad_fractions": "every fraction must be finite and non-negative",
     "fractions_sum": "the fractions must sum to 1 (within …)",
     "past_max_fraction": "part … was given more rows than its max_fraction = … allows (… of …)",
+    # Episodes as the unit.
+    "no_episode_start": (
+        "no … that could be drawn is the first step of a stored episode "
+        "(`Window(starts='episode')`)"
+    ),
+    "no_episode": "no stored … episode can be drawn; a whole-episode row needs …",
     # The flashbax layer's own.
     "flashbax_no_window": (
         "an index names no window: indices must be sum-tree leaves in [0, …) whose window has "
@@ -231,6 +237,8 @@ class RESULTS(eqx.Enumeration):
     bad_fractions = _TEXTS["bad_fractions"]
     fractions_sum = _TEXTS["fractions_sum"]
     past_max_fraction = _TEXTS["past_max_fraction"]
+    no_episode_start = _TEXTS["no_episode_start"]
+    no_episode = _TEXTS["no_episode"]
     flashbax_no_window = _TEXTS["flashbax_no_window"]
     flashbax_depth_level = _TEXTS["flashbax_depth_level"]
     flashbax_node_index = _TEXTS["flashbax_node_index"]
