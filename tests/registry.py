@@ -401,8 +401,19 @@ def _abstract_trajectory_methods() -> dict[str, Method]:
     }
 
 
+def _written_back(seed: int):
+    """Env ids and one `rew` value each, written back at each env's newest step."""
+    ids = np.asarray([seed % NUM_ENVS, 0], np.int32)
+    return ids, np.random.default_rng(seed).random((2, 1)).astype(np.float32)
+
+
+_WRITE_BACK = _new(
+    lambda b, a: b.write_back(a[0], b.step_count[a[0]] - 1, {"rew": a[1]}), _written_back
+)
+
 _TRAJECTORY = {
     **_abstract_trajectory_methods(),
+    "write_back": _WRITE_BACK,
     "sample": _query(
         lambda b, a: b.sample(a[0], BATCH, _SEQUENCE, distribution_power=a[1]),
         lambda s: (_key(s), np.float32(1.5)),
@@ -458,6 +469,7 @@ def _window_stamps(seed: int):
 
 _PRIORITISED_TRAJECTORY = {
     **_abstract_trajectory_methods(),
+    "write_back": _WRITE_BACK,
     "sample": _query(
         lambda b, a: b.sample(a[0], BATCH, beta=a[1]), lambda s: (_key(s), np.float32(0.5))
     ),
@@ -670,6 +682,8 @@ _REPLAY_WITHOUT_PRIORITIES = {
 }
 _TRAJECTORY_PROTOCOL = {
     **_PROTOCOL,
+    "with_written": "the buffer holding streams that `write_back` wrote into "
+    "(tests/test_write_back.py)",
     "split_envs": f"how an env id maps to its shard ({_LAYERS})",
     "sample_by": "the step of `sample` that evaluates a law, for a mixture's parts "
     "(tests/test_mixture.py: plain, prioritised, rate-limited and global parts)",
@@ -829,6 +843,8 @@ BUFFER_TYPES = [
             **_TRAJECTORY_WITHOUT_PRIORITIES,
             "sample": "refused at once: a queue is read once with `pop` (tests/test_layers.py)",
             "read": "refused at once: a queue is read once with `pop` (tests/test_layers.py)",
+            "write_back": "refused at once: a queue is read once with `pop` "
+            "(tests/test_write_back.py)",
         },
         _queue_step,
     ),
