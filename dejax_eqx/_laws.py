@@ -295,6 +295,18 @@ def find_weighed(
     return jnp.minimum(index, last).astype(jnp.int32), weight
 
 
+class CandidateRows(NamedTuple):
+    """What a `CandidateLaw` reads: the rows (`sample`, as `read_candidates` gives them; so
+    named that a law over the law, relabelling, finds them where it finds a prioritised
+    sample's windows), which candidates they are, their weights on the buffer's scale and
+    their log masses."""
+
+    sample: Any
+    index: Int[Array, " batch"]
+    weight: Float[Array, " batch"]
+    log_mass: Float[Array, " batch"]
+
+
 class CandidateLaw(AbstractEnumerableLaw):
     """A law drawn by listing its candidates (`candidates`), each with probability in
     proportion to its weight (`log_law` plus `log_mass`), by inverse CDF over their
@@ -332,9 +344,9 @@ class CandidateLaw(AbstractEnumerableLaw):
         log_p = c.log_law if c.log_mass is None else c.log_law + c.log_mass
         index, weight = find_weighed(log_p, at)
         mass = jnp.zeros_like(weight) if c.log_mass is None else c.log_mass
-        return self.read_candidates(buffer, index), index, weight[index], mass[index]
+        return CandidateRows(self.read_candidates(buffer, index), index, weight[index], mass[index])
 
-    def finish(self, rows: PyTree[Array], draw: Draw, summaries: PyTree[Array]) -> Any:
+    def finish(self, rows: CandidateRows, draw: Draw, summaries: PyTree[Array]) -> Any:
         rows, index, weight, log_mass = rows
         _, tops, totals = summaries
         scale, masses = union_scales(tops, totals)
