@@ -595,6 +595,7 @@ def _whole_window(window: Any, options: dict[str, Any], spec: PyTree, call: str)
     """`sample`'s window: strict, its `done` leaves among the steps'."""
     window = as_whole_window(window, options, call, "a dataset is sampled in whole windows")
     window.check(spec, TIME_AXIS, call)
+    window.refuse_episode_starts(call)
     return window
 
 

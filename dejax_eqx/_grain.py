@@ -87,6 +87,7 @@ class WindowSource:
         dataset = opened
         window = as_window(window, {}, f"{call}(window=...)")
         window.check(dataset.item_spec, TIME_AXIS, call)
+        window.refuse_episode_starts(call)
         self._path = dataset.path
         self._spec = dataset.item_spec
         self._window = window

@@ -231,6 +231,17 @@ class Window(eqx.Module):
         for name in self.done:
             check_leaf(item_spec, name, f"`{call}`: `Window(done=...)`", floating=False)
 
+    def refuse_episode_starts(self, call: str) -> None:
+        """Refuse at once, quoting `call`, a window that starts only at episodes
+        (`starts="episode"`) where there is no episode bookkeeping to read (a dataset on
+        disk)."""
+        if self.starts == "episode":
+            raise ValueError(
+                f"`{call}`: `Window(starts='episode')` reads a buffer's episode bookkeeping, "
+                "which a dataset does not keep; load the dataset into a buffer made with "
+                "`episodes=` (`Dataset.load`) and sample that."
+            )
+
     def needs(self) -> str:
         """What a start needs to be admissible, in words (for messages)."""
         needs = []
