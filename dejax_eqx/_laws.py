@@ -302,7 +302,7 @@ class CandidateRows(NamedTuple):
     their log masses."""
 
     sample: Any
-    index: Int[Array, " batch"]
+    candidate: Int[Array, " batch"]
     weight: Float[Array, " batch"]
     log_mass: Float[Array, " batch"]
 
