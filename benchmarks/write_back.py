@@ -19,7 +19,8 @@ samples (so a call is not dispatch), each step writing `f32[64, 80, 256]` of `st
     computed before the timing (a masked entry's row out of range: dropped); no stale check,
     and where windows overlap XLA's scatter picks any of the rows (no "later rows win");
 - `raw, checked`: `raw` with `write_back`'s own work written in `jax.numpy` (the slots from
-    the stamps, the stored test, later rows winning by a stable argsort of the cells): what
+    the stamps, the stored test, later rows winning by a scatter-max into a table of the
+    cells, as `_streams._last_wins` does at this size): what
     the semantics cost on raw arrays, apart from the library's checks and structure;
 
 All are timed in one process, their repeats interleaved (`_harness.time_interleaved`), and
@@ -118,7 +119,8 @@ def main() -> None:
 
     def checked(storage, _):
         """`raw` with `write_back`'s own work, in `jax.numpy`: the slots from the stamps, the
-        stored test, and later rows winning by a stable argsort of the cells."""
+        stored test, and later rows winning by a scatter-max of the entries' numbers into a
+        table of the cells, as `write_back` decides them at this size."""
 
         def one(x, xs):
             e, s, m = xs
@@ -126,12 +128,11 @@ def main() -> None:
             live = m & (t < ahead) & (t >= oldest)
             cell = (s % length)[:, None] + t
             cell = jnp.where(cell >= length, cell - length, cell)
-            key = jnp.where(live, e[:, None] * length + cell, envs * length).reshape(-1)
-            order = jnp.argsort(key, stable=True)
-            ranked = key[order]
-            last = jnp.append(ranked[1:] != ranked[:-1], True) & (ranked < envs * length)
-            won = jnp.zeros(key.shape, bool).at[order].set(last, unique_indices=True)
-            r = jnp.where(won.reshape(batch, seq), e[:, None], envs)
+            rows = jnp.where(live, e[:, None], envs)
+            order = jnp.arange(batch * seq, dtype=jnp.int32).reshape(batch, seq)
+            table = jnp.full((envs, length), -1, jnp.int32).at[rows, cell].max(order, mode="drop")
+            won = live & (table.at[rows, cell].get(mode="fill", fill_value=-1) == order)
+            r = jnp.where(won, e[:, None], envs)
             return x.at[r, cell].set(values, mode="drop"), None
 
         return jax.lax.scan(one, storage, (env, start, mask))[0]
