@@ -611,3 +611,32 @@ def test_jit_equals_eager():
             assert jax.tree.structure(got) == jax.tree.structure(eager)
             for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(eager)):
                 np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@SLOW
+@pytest.mark.skipif(
+    not hasattr(jax, "shard_map"), reason="the global buffers need JAX 0.7+ (jax.shard_map)"
+)
+@pytest.mark.parametrize(
+    "what",
+    [dx.Window(2, starts="episode"), dx.WholeEpisode(5), dx.WholeEpisode(5, running=True)],
+    ids=["episode starts", "whole episodes", "running episodes"],
+)
+def test_a_global_buffer_draws_as_one_buffer_of_every_env(what):
+    # The laws reach the global layer with no code of their own: over 4 shards of 2 envs, the
+    # rows equal, bit for bit, those of one buffer of the 8 envs with the same steps and key.
+    step = {"obs": jnp.zeros(3), "done": jnp.zeros((), bool)}
+    episodes = dx.Episodes("done", autoreset="same-step")
+    mesh = jax.make_mesh((4,), ("shards",))
+    buffer = dx.GlobalTrajectoryBuffer(
+        mesh, lambda: dx.TrajectoryBuffer(step, 2, 16, episodes=episodes)
+    )
+    single = dx.TrajectoryBuffer(step, 8, 16, episodes=episodes)
+    for t in range(11):
+        steps = {"obs": np.full((8, 3), t, np.float32), "done": (np.arange(8) + t) % 4 == 3}
+        buffer, single = buffer.add(buffer.rows(steps)), single.add(steps)
+    key = jax.random.key(3)
+    got, want = buffer.sample(key, 16, what), single.sample(key, 16, what)
+    assert type(got) is type(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
