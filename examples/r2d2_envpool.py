@@ -15,10 +15,16 @@ from what it saw before: a memoryless policy cannot balance the pole for long. W
   step is overwritten. Each learner batch is mixed with windows from the online queue (the
   steps added since it was last emptied), drawn uniformly, as in Muesli.
 - **Learner.** An LSTM Q-network in equinox, trained with optax: a burn-in of `burn_in` steps
-  that only warms up the recurrent state, started from zeros (R2D2's zero-state strategy with
-  burn-in: the actors' states are not stored), n-step double Q-learning targets from a
+  that only warms up the recurrent state, started from zeros by default (R2D2's zero-state
+  strategy with burn-in: the actors' states are not stored), n-step double Q-learning targets from a
   Polyak-averaged target network, R2D2's value rescaling, and R2D2's sequence priority
   `0.9 * max + 0.1 * mean` of |TD error|.
+- **Stored state** (`--stored-state`, R2D2's other strategy). Each step also holds the actor's
+  LSTM state before it saw that step's observation (key `"state"`, declared
+  `written_back=("state",)`); the burn-in starts from the state stored at the window's first
+  step, and the states the online network computed after the burn-in are written back into
+  the stored steps with `write_back` (one learner step late, like the priorities: entries
+  whose step was overwritten in between are dropped, and the run reports how many).
 - **Stale priority updates are dropped.** Priorities are set one learner step late, as a
   pipelined learner would: the stamps the sample returned name the windows, and an update for a
   window that left the replay in the meantime is ignored (the run reports how many).
@@ -33,11 +39,12 @@ docs/jit-patterns.md: a buffer holds only arrays, so it goes to `jax.jit` as it 
 envs while it runs.
 
 Run: python examples/r2d2_envpool.py --seed 0 [--max-seconds 600] [--smoke] [--throughput]
-[--memoryless] (Linux; `pip install -e '.[examples]'` installs envpool.) Writes
+[--memoryless] [--stored-state] (Linux; `pip install -e '.[examples]'` installs envpool.) Writes
 `r2d2_envpool.png`, the greedy return against env steps and wall time, and exits with status 1
 if the bar is not reached within the budget. `--throughput` measures the loop instead of
 training: env steps per second of the actor loop with and without the buffer calls, and the
 learner step. `--memoryless` is an ablation that restarts the recurrent state at every step.
+`--stored-state` starts each burn-in from the stored state instead of zeros.
 Results: docs/r2d2-envpool.md.
 """
 
@@ -48,6 +55,7 @@ _START = time.perf_counter()  # wall time is reported from here: imports and com
 
 import argparse
 import dataclasses
+import decimal
 import functools
 import math
 import os
@@ -110,6 +118,9 @@ class Config:
     # False: an ablation that restarts the recurrent state at every step (a feed-forward
     # Q-network with the same layers), to show what memory is worth on this task.
     memory: bool = True
+    # True: R2D2's stored-state strategy (the burn-in starts from the state stored with the
+    # window's first step, refreshed by the learner's write-back); False: from zeros.
+    stored_state: bool = False
 
 
 # --- The network ----------------------------------------------------------------------------------
@@ -152,6 +163,22 @@ class QNet(eqx.Module):
         state, q = jax.lax.scan(body, state, (obs, first))
         return q, state
 
+    def unroll_states(
+        self, obs: Float[Array, "time obs"], first: Bool[Array, " time"], state: tuple[Array, Array]
+    ) -> tuple[Float[Array, "time actions"], Float[Array, "time 2 hidden"], tuple[Array, Array]]:
+        """`unroll`, with the state before each step as well (after the restart at a first
+        step: the state that step's observation is fed with), `h` and `c` stacked."""
+
+        def body(state, x):
+            obs, first = x
+            state = jax.tree.map(lambda s: jnp.where(first, 0.0, s), state)
+            before = jnp.stack(state)
+            q, state = self.step(obs, state)
+            return state, (q, before)
+
+        state, (q, before) = jax.lax.scan(body, state, (obs, first))
+        return q, before, state
+
 
 def zero_state(cfg: Config, *batch: int) -> tuple[Array, Array]:
     return (jnp.zeros((*batch, cfg.hidden_size)), jnp.zeros((*batch, cfg.hidden_size)))
@@ -175,8 +202,8 @@ def unrescale(x: Array, eps: float) -> Array:
 # ignored by envpool, so a step whose observation ended an episode is never learnt from.
 
 
-def step_prototype() -> dict[str, jax.ShapeDtypeStruct]:
-    return {
+def step_prototype(cfg: Config | None = None) -> dict[str, jax.ShapeDtypeStruct]:
+    step = {
         "obs": jax.ShapeDtypeStruct((len(OBSERVED),), jnp.float32),
         "action": jax.ShapeDtypeStruct((), jnp.int32),
         "reward": jax.ShapeDtypeStruct((), jnp.float32),  # for the previous action
@@ -184,6 +211,11 @@ def step_prototype() -> dict[str, jax.ShapeDtypeStruct]:
         "truncated": jax.ShapeDtypeStruct((), jnp.bool_),  # the time limit ended it
         "first": jax.ShapeDtypeStruct((), jnp.bool_),  # the episode's first observation
     }
+    if cfg is not None and cfg.stored_state:
+        # The actor's LSTM state (h, c) before it fed this step's observation: the state a
+        # window starting here starts from. The learner writes fresher ones back.
+        step["state"] = jax.ShapeDtypeStruct((2, cfg.hidden_size), jnp.float32)
+    return step
 
 
 class Learner(eqx.Module):
@@ -193,12 +225,24 @@ class Learner(eqx.Module):
     key: PRNGKeyArray
 
 
+class States(NamedTuple):
+    """Recurrent states computed by one learner step along its windows (replay and online),
+    written back at the next one (`--stored-state`)."""
+
+    env: Int[Array, " rows"]
+    start: Int[Array, " rows"]
+    state: Float[Array, "rows window 2 hidden"]  # the state before each step of the window
+    write: Bool[Array, "rows window"]  # which to write: real steps after the burn-in
+
+
 class Pending(NamedTuple):
-    """Priorities computed by one learner step, set at the next one (a pipelined learner)."""
+    """Priorities computed by one learner step, set at the next one (a pipelined learner),
+    and with `--stored-state` the states to write back."""
 
     env: Int[Array, " batch"]
     start: Int[Array, " batch"]
     priority: Float[Array, " batch"]
+    states: States | None = None
 
 
 class Actors(NamedTuple):
@@ -231,11 +275,14 @@ def online_window(cfg: Config) -> dx.Window:
 
 def make_buffer(cfg: Config) -> dx.PrioritisedTrajectoryBuffer:
     return dx.PrioritisedTrajectoryBuffer(
-        step_prototype(),
+        step_prototype(cfg),
         num_envs=cfg.num_envs,
         max_length=cfg.max_length,
         window=replay_window(cfg),
         priority_exponent=cfg.priority_exponent,
+        # The actors store the state with every add, but adds could leave it out (stored as
+        # zeros): the learner's write-back is what keeps it fresh.
+        written_back=("state",) if cfg.stored_state else (),
     )
 
 
@@ -298,17 +345,20 @@ def make_functions(cfg: Config):
     eps = jnp.asarray(epsilons(cfg))
 
     # Acting: one call per recv(). The envs' recurrent states are donated and updated in place.
+    # With `stored_state`, also the states the observations were fed with (`h`, `c` stacked),
+    # for the add to store; else None.
     @functools.partial(jax.jit, donate_argnums=1)
-    def act(net: QNet, actors: Actors, obs, first, env_ids) -> tuple[Array, Actors]:
+    def act(net: QNet, actors: Actors, obs, first, env_ids) -> tuple[Array, Actors, Array | None]:
         first = first | (not cfg.memory)
         rows = jax.tree.map(lambda s: jnp.where(first[:, None], 0.0, s[env_ids]), actors.state)
+        before = jnp.stack(rows, axis=1) if cfg.stored_state else None
         q, rows = jax.vmap(net.step)(obs, rows)
         state = jax.tree.map(lambda s, r: s.at[env_ids].set(r), actors.state, rows)
         key, k_explore, k_random = jax.random.split(actors.key, 3)
         explore = jax.random.uniform(k_explore, env_ids.shape) < eps[env_ids]
         random = jax.random.randint(k_random, env_ids.shape, 0, NUM_ACTIONS, jnp.int32)
         action = jnp.where(explore, random, jnp.argmax(q, axis=-1).astype(jnp.int32))
-        return action, Actors(state, key)
+        return action, Actors(state, key), before
 
     # The buffer call of the actor loop: `add` under plain `jax.jit`, the buffer donated.
     @functools.partial(jax.jit, donate_argnums=0)
@@ -333,22 +383,48 @@ def make_functions(cfg: Config):
         q, _ = run(obs[:, b:], first[:, b:], jax.lax.stop_gradient(state))
         return q  # positions burn_in .. W - 1
 
+    def unroll_stored(net: QNet, items) -> tuple[Array, Float[Array, "batch window 2 hidden"]]:
+        """`unroll` from the state stored with each window's first step (R2D2's stored-state
+        strategy), and the state before each of the window's steps along the way (no
+        gradient), for the write-back."""
+        b = cfg.burn_in
+        obs, first = items["obs"], items["first"] | (not cfg.memory)
+        stored = items["state"][:, 0]  # (batch, 2, hidden): h and c
+        state = (stored[:, 0], stored[:, 1])
+        run = jax.vmap(net.unroll_states)
+        _, warm, state = run(obs[:, :b], first[:, :b], state)
+        q, rest, _ = run(obs[:, b:], first[:, b:], jax.lax.stop_gradient(state))
+        return q, jax.lax.stop_gradient(jnp.concatenate([warm, rest], axis=1))
+
     def loss_fn(net, target_net, items, mask, weights):
         b, length = cfg.burn_in, cfg.sequence_length
-        q = unroll(net, items)
-        q_target = unroll(target_net, items)
+        if cfg.stored_state:
+            q, states = unroll_stored(net, items)
+            q_target, _ = unroll_stored(target_net, items)
+        else:
+            q, states = unroll(net, items), None
+            q_target = unroll(target_net, items)
         target, valid = n_step_targets(cfg, items, mask, jax.lax.stop_gradient(q), q_target)
         action = items["action"][:, b : b + length]
         taken = jnp.take_along_axis(q[:, :length], action[..., None], -1)[..., 0]
         td = jnp.where(valid, taken - target, 0.0)
         per_seq = jnp.sum(0.5 * td**2, axis=1) / jnp.maximum(jnp.sum(valid, axis=1), 1)
-        return jnp.mean(weights * per_seq), (td, valid)
+        return jnp.mean(weights * per_seq), (td, valid, states)
 
     def learn(learner: Learner, buf: dx.PrioritisedTrajectoryBuffer, pending: Pending):
         # The priorities of the previous step's sample, from the windows it named: any that
         # left the replay since (overwritten by the adds in between) are dropped.
         dropped = jnp.sum(buf.stale(pending.env, pending.start), dtype=jnp.int32)
         buf = buf.set_priorities(pending.env, pending.start, pending.priority)
+        metrics = {"dropped": dropped}
+        if pending.states is not None:
+            # The states the previous step computed, written into the steps its windows read
+            # (before this step samples, so that it reads them). An entry whose step the adds
+            # in between overwrote is dropped: the stamps say which.
+            s = pending.states
+            buf, report = buf.write_back(s.env, s.start, {"state": s.state}, mask=s.write)
+            metrics["write_back_attempted"] = jnp.sum(s.write, dtype=jnp.int32)
+            metrics["write_back_dropped"] = report.num_dropped
         key, k_replay, k_online = jax.random.split(learner.key, 3)
         replay = buf.sample(k_replay, cfg.replay_batch, beta=cfg.importance_exponent)
         items, mask, weights = replay.sample.items, replay.sample.mask, replay.weights
@@ -360,7 +436,7 @@ def make_functions(cfg: Config):
         items = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), items, fresh.items)
         mask = jnp.concatenate([mask, fresh.mask])
         weights = jnp.concatenate([weights, jnp.ones(cfg.online_batch)])
-        (loss, (td, valid)), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(
+        (loss, (td, valid, states)), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(
             learner.net, learner.target, items, mask, weights
         )
         updates, opt_state = optimiser.update(grads, learner.opt_state)
@@ -368,11 +444,24 @@ def make_functions(cfg: Config):
         target = jax.tree.map(lambda t, o: t + cfg.target_tau * (o - t), learner.target, net)
         r = cfg.replay_batch
         priority = dx.sequence_priorities(jnp.abs(td[:r]), valid[:r], eta=cfg.eta)
-        pending = Pending(replay.sample.env, replay.sample.start, priority)
-        metrics = {"loss": loss, "dropped": dropped}
+        written = None
+        if states is not None:
+            # The states after the burn-in (positions burn_in ..), each computed by the online
+            # network from the window's stored state: what the windows starting at those steps
+            # will start from. Masked (padded) steps write nothing.
+            after_burn_in = jnp.arange(mask.shape[1]) >= cfg.burn_in
+            written = States(
+                jnp.concatenate([replay.sample.env, fresh.env]),
+                jnp.concatenate([replay.sample.start, fresh.start]),
+                states,
+                mask & after_burn_in,
+            )
+        pending = Pending(replay.sample.env, replay.sample.start, priority, written)
+        metrics["loss"] = loss
         return Learner(net, target, opt_state, key), buf, pending, metrics
 
-    # The learner step donates the buffer too: set_priorities writes the sum tree in place.
+    # The learner step donates the buffer too: set_priorities writes the sum tree in place,
+    # write_back the stored states.
     learn_jit = jax.jit(learn, donate_argnums=(0, 1, 2))
     return act, add, greedy, learn_jit
 
@@ -380,6 +469,25 @@ def make_functions(cfg: Config):
 @functools.partial(jax.jit, static_argnums=1)
 def first_stamps(buf: dx.PrioritisedTrajectoryBuffer, batch_size: int):
     return buf.sample(jax.random.key(0), batch_size).sample.stamp
+
+
+def first_pending(cfg: Config, buf: dx.PrioritisedTrajectoryBuffer) -> Pending:
+    """What the first learner step sets: priority 1, what every window holds until its first
+    update, on the windows of a sample (a no-op); with `stored_state`, no state to write (the
+    shapes of the states a learner step computes, on stamps of that sample, nothing marked to
+    write)."""
+    env, start = first_stamps(buf, cfg.replay_batch)
+    states = None
+    if cfg.stored_state:
+        rows = cfg.replay_batch + cfg.online_batch
+        window = cfg.burn_in + cfg.sequence_length + cfg.n_step
+        states = States(
+            jnp.resize(env, (rows,)),
+            jnp.resize(start, (rows,)),
+            jnp.zeros((rows, window, 2, cfg.hidden_size)),
+            jnp.zeros((rows, window), jnp.bool_),
+        )
+    return Pending(env, start, jnp.ones(cfg.replay_batch), states)
 
 
 def init(cfg: Config, seed: int):
@@ -438,8 +546,10 @@ def save_curve(path: str, history: list[dict[str, float]], cfg: Config, seed: in
         ax.set(xlabel=label, ylim=(0, 510))
     axes[0].set_ylabel("episode return")
     axes[0].legend(loc="upper left", fontsize=8)
+    strategy = "stored state" if cfg.stored_state else "zero state"
     fig.suptitle(
-        f"R2D2-style LSTM agent{'' if cfg.memory else ' (memoryless ablation)'}, envpool async "
+        f"R2D2-style LSTM agent{'' if cfg.memory else ' (memoryless ablation)'} ({strategy}), "
+        "envpool async "
         f"CartPole-v1 without velocities, seed {seed}\n"
         f"{outcome}",
         fontsize=10,
@@ -473,12 +583,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="ablation: restart the recurrent state at every step (no memory)",
     )
+    parser.add_argument(
+        "--stored-state",
+        action="store_true",
+        help="R2D2's stored-state strategy: the burn-in starts from the state stored with the "
+        "window's first step (the learner writes fresh ones back), not from zeros",
+    )
     parser.add_argument("--plot", default="r2d2_envpool.png", help="learning-curve PNG path")
     return parser.parse_args(argv)
 
 
-def to_steps(obs, reward, terminated, truncated, info, action) -> dict[str, np.ndarray]:
-    return {
+def to_steps(
+    obs, reward, terminated, truncated, info, action, state: Array | None = None
+) -> dict[str, np.ndarray | Array]:
+    steps: dict[str, np.ndarray | Array] = {
         "obs": obs[:, OBSERVED],
         "action": action,
         "reward": reward,
@@ -486,12 +604,28 @@ def to_steps(obs, reward, terminated, truncated, info, action) -> dict[str, np.n
         "truncated": truncated,
         "first": info["elapsed_step"] == 0,
     }
+    if state is not None:
+        steps["state"] = state  # the actor's state before this observation, on the device
+    return steps
+
+
+def fraction_down(part: int, whole: int) -> str:
+    """`part / whole` in scientific notation, 4 significant digits, truncated (never rounded
+    up), so that a small fraction is not shown as 0 nor made larger than it is."""
+    if part == 0 or whole == 0:
+        return "0"
+    with decimal.localcontext() as context:
+        context.rounding = decimal.ROUND_DOWN
+        return format(decimal.Decimal(part) / decimal.Decimal(whole), ".3e")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = Config(
-        target_return=args.target_return, max_steps=args.max_steps, memory=not args.memoryless
+        target_return=args.target_return,
+        max_steps=args.max_steps,
+        memory=not args.memoryless,
+        stored_state=args.stored_state,
     )
     if args.smoke:
         cfg = dataclasses.replace(
@@ -545,9 +679,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     pending = None
     since_reset = 0  # recvs since the online queue was emptied
-    learner_steps = dropped = 0
+    learner_steps = dropped = wb_attempted = wb_dropped = 0
     losses: list[Array] = []
     dropped_since: list[Array] = []
+    wb_since: list[tuple[Array, Array]] = []  # write-back entries (attempted, dropped)
     steps = 0
     last = record(0)
     outcome = ""
@@ -555,18 +690,18 @@ def main(argv: list[str] | None = None) -> int:
     while True:
         obs, reward, terminated, truncated, info = env.recv()
         env_ids = info["env_id"]
-        action, actors = act(
+        action, actors, before = act(
             learner.net, actors, obs[:, OBSERVED], info["elapsed_step"] == 0, env_ids
         )
         action = np.asarray(action)
         env.send(action, env_ids)
-        buf = add(buf, to_steps(obs, reward, terminated, truncated, info, action), env_ids)
+        buf = add(buf, to_steps(obs, reward, terminated, truncated, info, action, before), env_ids)
         steps += len(env_ids)
         since_reset += 1
         if pending is None and steps >= cfg.warmup_steps and int(buf.num_windows) > 0:
             # The first learner step has no earlier priorities to set: it sets priority 1, what
             # every window holds until its first update, on the windows of a sample (a no-op).
-            pending = Pending(*first_stamps(buf, cfg.replay_batch), jnp.ones(cfg.replay_batch))
+            pending = first_pending(cfg, buf)
         online_ready = since_reset * cfg.batch_size >= (cfg.burn_in + 1) * cfg.num_envs
         if pending is not None and online_ready and since_reset % cfg.learn_every == 0:
             learner, buf, pending, metrics = learn(learner, buf, pending)
@@ -574,6 +709,8 @@ def main(argv: list[str] | None = None) -> int:
             # Kept on the device and summed at the next evaluation: no sync per step.
             dropped_since.append(metrics["dropped"])
             losses.append(metrics["loss"])
+            if cfg.stored_state:
+                wb_since.append((metrics["write_back_attempted"], metrics["write_back_dropped"]))
         if since_reset >= cfg.online_cycle:
             buf = eqx.tree_at(lambda b: b.trajectories, buf, buf.trajectories.reset_online_queue())
             since_reset = 0
@@ -585,6 +722,9 @@ def main(argv: list[str] | None = None) -> int:
             losses.clear()
             dropped += int(sum(int(d) for d in dropped_since))
             dropped_since.clear()
+            wb_attempted += sum(int(a) for a, _ in wb_since)
+            wb_dropped += sum(int(d) for _, d in wb_since)
+            wb_since.clear()
             bar.set_postfix(eval=f"{last['eval_mean']:.1f}", loss=f"{loss:.4f}")
             if not args.smoke and last["eval_mean"] >= cfg.target_return:
                 confirm = record(steps)
@@ -609,10 +749,21 @@ def main(argv: list[str] | None = None) -> int:
         f"{outcome}; {learner_steps} learner steps, {dropped} stale priority updates dropped "
         "(windows overwritten between sample and update)"
     )
+    stored = ""
+    if cfg.stored_state:
+        fraction = fraction_down(wb_dropped, wb_attempted)
+        stored = (
+            f"; stored state: {wb_dropped} of {wb_attempted} write-back entries dropped as "
+            f"stale ({fraction})"
+        )
+        print(
+            f"stored state: {wb_attempted} write-back entries attempted, {wb_dropped} dropped "
+            f"(their step overwritten between sample and write-back), fraction {fraction}"
+        )
     print(f"learning curve: {os.path.abspath(args.plot)}")
     print(
         f"seed {args.seed}: greedy return {final['eval_mean']:.1f} over {cfg.eval_episodes} "
-        f"episodes after {final['env_steps']} env steps, {wall:.0f} s"
+        f"episodes after {final['env_steps']} env steps, {wall:.0f} s{stored}"
     )
     solved = outcome.startswith("solved")
     return 0 if solved or args.smoke else 1
@@ -649,7 +800,7 @@ def throughput(cfg: Config, seed: int, recvs: int = 2_000, rounds: int = 5) -> i
         if name == "raw scatter":
             data = jax.tree.map(
                 lambda s: jnp.zeros((cfg.num_envs, cfg.max_length, *s.shape), s.dtype),
-                step_prototype(),
+                step_prototype(cfg),
             )
             return data, jnp.zeros(cfg.num_envs, jnp.int32)
         return None
@@ -668,12 +819,14 @@ def throughput(cfg: Config, seed: int, recvs: int = 2_000, rounds: int = 5) -> i
             obs, reward, terminated, truncated, info = env.recv()
             env_ids = info["env_id"]
             first = info["elapsed_step"] == 0
-            action, actors = act(learner.net, actors, obs[:, OBSERVED], first, env_ids)
+            action, actors, before = act(learner.net, actors, obs[:, OBSERVED], first, env_ids)
             action = np.asarray(action)
             env.send(action, env_ids)
             if call is not None:
                 store = call(
-                    store, to_steps(obs, reward, terminated, truncated, info, action), env_ids
+                    store,
+                    to_steps(obs, reward, terminated, truncated, info, action, before),
+                    env_ids,
                 )
         jax.block_until_ready((store, actors))
         return store, actors, n * cfg.batch_size / (time.perf_counter() - start)
@@ -691,7 +844,8 @@ def throughput(cfg: Config, seed: int, recvs: int = 2_000, rounds: int = 5) -> i
 
     # The learner step on the buffer the loop filled (its online queue holds every step).
     buf = stores["jax.jit add"]
-    pending = Pending(*first_stamps(buf, cfg.replay_batch), jnp.ones(cfg.replay_batch))
+    assert isinstance(buf, dx.PrioritisedTrajectoryBuffer)
+    pending = first_pending(cfg, buf)
     learner, buf, pending, _ = jax.block_until_ready(learn(learner, buf, pending))
     learn_seconds = []
     for _ in range(rounds):

@@ -1,7 +1,11 @@
-"""The envpool async example runs (a short version), when envpool is installed."""
+"""The envpool async example runs (a short version), when envpool is installed; and, in the
+slow tier, the R2D2 example's smoke run with `--stored-state`."""
 
 import importlib.util
 import pathlib
+import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -27,3 +31,26 @@ def test_envpool_async_example(capsys):
     out = capsys.readouterr().out
     assert "fraction of valid steps" in out and "per-env replay lengths" in out
     assert np.isfinite(summary["episode_ends_per_batch"])
+
+
+@pytest.mark.slow
+def test_r2d2_envpool_stored_state_smoke(tmp_path):
+    # The zero-state smoke run is tests/test_examples.py's; this is R2D2's other strategy.
+    for module in ("optax", "matplotlib", "tqdm"):
+        pytest.importorskip(module)
+    script = str(EXAMPLE.parent / "r2d2_envpool.py")
+    result = subprocess.run(
+        [sys.executable, script, "--smoke", "--stored-state", "--seed", "3"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    last = result.stdout.strip().splitlines()[-1]
+    assert last.startswith("seed 3: greedy return ") and "over 4 episodes after 1536" in last
+    counts = re.search(r"stored state: (\d+) of (\d+) write-back entries dropped as stale", last)
+    assert counts is not None, last
+    # Every learner step after the first writes back the states after the burn-in.
+    assert int(counts[2]) > 0 and 0 <= int(counts[1]) <= int(counts[2])
+    assert (tmp_path / "r2d2_envpool.png").read_bytes().startswith(b"\x89PNG")
