@@ -451,7 +451,7 @@ def _window_parts(
     distribution_power: Real[ArrayLike, ""] | None,
     discount: Real[ArrayLike, ""] | None,
     call: str,
-) -> tuple[list["WindowLaw"], list[Fault]]:
+) -> tuple[list[AbstractEnumerableLaw], list[Fault]]:
     """The laws of `window` from each source, and the faults of their arguments."""
     window.check(buffer.item_spec, buffer.max_length, call)
     if discount is not None:
@@ -460,7 +460,7 @@ def _window_parts(
             "has none."
         )
     power, faults = check_power(1.0 if distribution_power is None else distribution_power, call)
-    laws: list[Any] = [WindowLaw(window, power, s) for s in sources]
+    laws: list[AbstractEnumerableLaw] = [WindowLaw(window, power, s) for s in sources]
     if window.starts == "episode":
         require_episodes(buffer.streams, "`Window(starts='episode')`", call)
         laws = [EpisodeStartLaw(inner=law, stratified=False) for law in laws]
