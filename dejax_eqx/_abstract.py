@@ -677,7 +677,8 @@ class AbstractTrajectoryBuffer(AbstractBuffer):
             the values of `T <= max_length` steps from each start (`T = 1` for the first step
             of each window).
         - `mask`: optional boolean array `(n, T)`: only the entries where it is `True` are
-            written (pass `sample.mask[:, :T]` so that padded steps write nothing).
+            written (pass `sample.mask[:, :T]` so that padded steps write nothing), and a
+            row with none is not checked (its stamp may be anything).
 
         **Returns:** `(buffer, WrittenBack)`: the new buffer, and per entry whether it was
         written or dropped (`WrittenBack.num_dropped`).

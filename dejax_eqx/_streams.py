@@ -566,8 +566,11 @@ def check_write_back(
             f"{streams.max_length} steps that a stream stores."
         )
     wanted = jnp.ones((n, length), jnp.bool_)
-    if mask is not None:
+    faults: list[Fault] = stamps.faults
+    if mask is not None:  # a row of no entry to write is not checked (as `read`'s mask)
         wanted = check_mask_like(mask, wanted, call)
+        used = jnp.any(wanted, axis=1)
+        faults = [(jnp.asarray(pred) & used, msg) for pred, msg in stamps.faults]
     wanted = wanted & ~stamps.bad[:, None]
     t = jnp.arange(length, dtype=jnp.int32)[None, :]
     # Step `start + t` is taken and still stored; written as differences, nothing overflows.
@@ -578,7 +581,6 @@ def check_write_back(
     m = streams.max_length
     slots = ring_add((stamps.start % m)[:, None], t, m)
     written = _last_wins(live, stamps.env, slots, streams.num_envs, m)
-    faults = stamps.faults
     with vetoing(faults):
         vetoed = veto()
         if vetoed is not None:
