@@ -44,7 +44,7 @@ from ._policy_age import PolicyAge
 from ._relabel import Relabel
 from ._results import reports
 from ._shard_map import Layout, run
-from ._streams import Streams
+from ._streams import filled, Streams
 from ._windows import Window
 
 
@@ -156,6 +156,7 @@ class GlobalTrajectoryBuffer(AbstractGlobalBuffer, AbstractTrajectoryBuffer):
         adding to envs it does not own), and for what the shards' own `add` raises.
         """
         call = "GlobalTrajectoryBuffer.add"
+        items = filled(self.template.streams, items, 1)
         items, _ = check_items(self.item_spec, items, call, batched=True)
         blocks, door = _blocks(self, items, env_ids, call)
         return self._run(add_blocks, _add, blocks, *Door.of(door), shard_call_of(self, "add"), call)
@@ -166,6 +167,7 @@ class GlobalTrajectoryBuffer(AbstractGlobalBuffer, AbstractTrajectoryBuffer):
     ) -> _T:
         """The shards' `extend` (`T` steps per listed env), split as `add`."""
         call = "GlobalTrajectoryBuffer.extend"
+        items = filled(self.template.streams, items, 2)
         items, _, _ = check_sequences(self.item_spec, items, call)
         blocks, door = _blocks(self, items, env_ids, call)
         shard_call = shard_call_of(self, "extend")

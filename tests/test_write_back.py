@@ -606,6 +606,27 @@ def test_only_trajectory_buffers_that_hold_their_streams_take_write_backs():
 
 
 @SLOW
+@pytest.mark.skipif(
+    not hasattr(jax, "shard_map"), reason="the global buffers need JAX 0.7+ (jax.shard_map)"
+)
+def test_a_global_buffer_of_written_back_shards_takes_adds_without_those_keys():
+    # The global layer checks a step against the shards' steps at its door: the keys its
+    # shards let adds leave out are filled there too (zeros), as each shard would fill them.
+    mesh = jax.make_mesh((4,), ("shards",))
+    glob = dx.GlobalTrajectoryBuffer(
+        mesh, lambda: dx.TrajectoryBuffer(SPEC, 2, 4, written_back=WRITTEN_BACK)
+    )
+    single = dx.TrajectoryBuffer(SPEC, 8, 4, written_back=WRITTEN_BACK)
+    rng = np.random.default_rng(0)
+    given = random_batch({k: SPEC[k] for k in GIVEN}, 8, rng)
+    seqs = random_batch(_spec(GIVEN, 3), 8, rng)
+    glob = glob.add(glob.rows(given)).extend(glob.rows(seqs))
+    single = single.add(given).extend(seqs)
+    assert_tree_equal(glob.streams.data, single.streams.data)
+    assert not np.asarray(glob.streams.data["h"]).any()
+
+
+@SLOW
 @pytest.mark.parametrize("kind", ["trajectory", "prioritised"])
 def test_rate_limited_forwards_write_back_and_counts_nothing(kind):
     inner = _history(kind)
