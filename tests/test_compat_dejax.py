@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from jax.experimental import checkify
 
-from .helpers import assert_frequencies, assert_tree_equal, python_blocks, to_numpy
+from .helpers import assert_frequencies, assert_tree_equal, python_blocks, rotation, to_numpy
 from .reference import RefCircularBuffer, RefUniformReplay
 
 
@@ -313,7 +313,7 @@ EXAMPLES = {
 }
 
 
-@pytest.mark.parametrize("name", EXAMPLES)
+@pytest.mark.parametrize("name", rotation(list(EXAMPLES), 0, keep=1))
 def test_examples_run(name):
     doc = EXAMPLES[name]()
     assert doc is not None

@@ -65,13 +65,15 @@ def _public_docstrings() -> dict[str, str]:
 
 
 def _snippets():
-    # The README's examples run in the README's test command, with each guide's first and
-    # every fourth docstring's (in name order); the rest are `slow` (CI runs them:
-    # tests/helpers.py).
+    # The README's examples run in the README's test command, with the first example of every
+    # other guide and of every fourth docstring (in name order); the rest are `slow` (CI runs
+    # them: tests/helpers.py).
     params = []
-    for path in [*sorted(DOCS.glob("*.md")), ROOT / "README.md"]:
+    guides = sorted(DOCS.glob("*.md"))
+    for path in [*guides, ROOT / "README.md"]:
+        later = path in guides and guides.index(path) % 2 == 1
         for i, (line, code) in enumerate(python_blocks_with_lines(path.read_text())):
-            marks = [SLOW] if i and path.parent == DOCS else []
+            marks = [SLOW] if path.parent == DOCS and (i or later) else []
             params.append(pytest.param(code, id=f"{path.relative_to(ROOT)}:{line}", marks=marks))
     docstrings = [
         (f"{qualname}:{line}", code)
