@@ -4,7 +4,7 @@ env's steps: absolute step -> values, independent of the buffer's ring."""
 
 import functools
 import re
-from typing import Any
+from typing import Any, cast
 
 import dejax_eqx as dx
 import equinox as eqx
@@ -40,7 +40,7 @@ KINDS = ("trajectory", "prioritised", "episodes")
 def _make(kind: str, max_length: int, **kwargs) -> Any:
     """A buffer of `SPEC` steps of `kind`: a `TrajectoryBuffer`, a `PrioritisedTrajectoryBuffer`
     (strict windows of 2 steps) or a `TrajectoryBuffer` that keeps episodes."""
-    common = dict(written_back=WRITTEN_BACK, **kwargs)
+    common: dict[str, Any] = dict(written_back=WRITTEN_BACK, **kwargs)
     if kind == "trajectory":
         return dx.TrajectoryBuffer(SPEC, NUM_ENVS, max_length, **common)
     if kind == "prioritised":
@@ -721,7 +721,8 @@ def test_write_back_in_an_equinox_jit_that_donates_all_updates_the_storage_in_pl
     args = _write_back_args()
     # The stamps and values are closed over: every argument is the buffer, all donated.
     step = eqx.filter_jit(lambda b: b.write_back(*args), donate="all")
-    hlo = step.lower(buf).lowered.compile(USERS_XLA).as_text()
+    # `eqx.filter_jit` is typed as giving back the function it wraps, without its `.lower`.
+    hlo = cast(Any, step).lower(buf).lowered.compile(USERS_XLA).as_text()
     assert hlo is not None
     assert copies(hlo, M * NUM_ENVS) == [], copies(hlo, M * NUM_ENVS)[:3]
     leaves = jax.tree.leaves(buf)
