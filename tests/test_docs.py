@@ -335,7 +335,11 @@ def _exercise_every_fault_site() -> None:
         streams.stale(slots, slots)
         episodes = dx.Episodes("done", autoreset="same-step")
         kept = dx.TrajectoryBuffer(item, num_envs=2, max_length=4, episodes=episodes)
-        kept.add(batch).episodes_of(slots, jnp.zeros(2, jnp.int32))
+        kept = kept.add(batch)
+        kept.episodes_of(slots, jnp.zeros(2, jnp.int32))
+        kept.write_back(slots, slots, {"reward": jnp.ones((2, 1))}, mask=jnp.ones((2, 1), bool))
+        kept.sample(key, 2, dx.Window(1, starts="episode"))
+        kept.sample(key, 2, dx.WholeEpisode(2))
         steps = jax.tree.map(lambda x: jnp.zeros((2, 4, *x.shape), x.dtype), item)
         streams.restore(steps, jnp.array([4, 2], jnp.int32), jnp.array([4, 2], jnp.int32))
         # Policy age: `current` and `max_age` as arrays, whose range is checked at run time.
