@@ -26,6 +26,7 @@ from ._laws import (
     MixtureRows,
 )
 from ._streams import episode_starts, gather_steps, slot_episodes, step_backs, Streams
+from ._windows import zero_masked
 
 
 Longer = Literal["head", "exclude"]
@@ -249,12 +250,8 @@ class WholeEpisodeLaw(CandidateLaw):
         info = streams.book.info(env, start, streams.step_count)
         complete = info.ended & (info.last - info.first < size)
 
-        def fill(x):
-            keep = mask.reshape(mask.shape + (1,) * (x.ndim - 2))
-            return jnp.where(keep, x, jnp.zeros_like(x))
-
         length = jnp.sum(mask, axis=1, dtype=jnp.int32)
-        return EpisodeSample(jax.tree.map(fill, items), mask, length, complete, env, start)
+        return EpisodeSample(zero_masked(items, mask), mask, length, complete, env, start)
 
     def name_candidates(
         self, rows: EpisodeSample, owner: Int[Array, " batch"], summaries: PyTree[Array]

@@ -312,6 +312,19 @@ def _cut(
     return cut
 
 
+def zero_masked(
+    items: PyTree[Shaped[Array, "batch seq ..."]], mask: Bool[Array, "batch seq"]
+) -> PyTree[Shaped[Array, "batch seq ..."]]:
+    """Gathered steps (leaves `[batch, seq, ...]`) with the steps where `mask` is `False`
+    zeroed (`False` for booleans): what a padded sample holds there."""
+
+    def fill(x):
+        keep = mask.reshape(mask.shape + (1,) * (x.ndim - 2))
+        return jnp.where(keep, x, jnp.zeros_like(x))
+
+    return jax.tree.map(fill, items)
+
+
 def mask_windows(
     items: PyTree[Shaped[Array, "batch seq ..."]],
     remaining: Int[Array, " batch"],
@@ -329,12 +342,8 @@ def mask_windows(
         mask = mask & ~_cut(ends & mask, window.burn_in, window.episode_ends)
     learning = (t >= window.burn_in) & (t < window.burn_in + window.sequence_length)
 
-    def fill(x):
-        keep = mask.reshape(mask.shape + (1,) * (x.ndim - 2))
-        return jnp.where(keep, x, jnp.zeros_like(x))
-
     return SequenceSample(
-        items=jax.tree.map(fill, items),
+        items=zero_masked(items, mask),
         mask=mask,
         learn=mask & learning[None, :],
         env=env,

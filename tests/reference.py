@@ -553,3 +553,29 @@ def ref_aged_weights(target: dict, probabilities: dict, drawn: list, beta: float
     batch's largest, `q` the target and `P` the sampling probabilities, in float64."""
     w = np.array([(target[c] / probabilities[c]) ** beta for c in drawn])
     return w / w.max()
+
+
+def episode_rows(dones, autoreset):
+    """Per step of one env's whole history (its end flags `dones`): `[episode, first, last,
+    ended]` as `EpisodeInfo` says it (episode -1 for an auto-reset step), from the flags alone:
+    the model of the episode bookkeeping that relabelling and episode sampling read."""
+    rows, episodes, k, pending = [], {}, -1, "begins"
+    for t, done in enumerate(dones):
+        if pending == "resets":
+            rows.append([-1, t, t, True])
+            pending = "begins"
+            continue
+        if pending == "begins":
+            k += 1
+            episodes[k] = [t, None]
+        rows.append([k, None, None, None])
+        if done:
+            episodes[k][1] = t
+            pending = "resets" if autoreset == "next-step" else "begins"
+        else:
+            pending = "continues"
+    for row in rows:
+        if row[0] >= 0:
+            first, last = episodes[row[0]]
+            row[1:] = [first, len(dones) - 1 if last is None else last, last is not None]
+    return rows

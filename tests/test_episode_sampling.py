@@ -24,6 +24,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from .helpers import assert_frequencies, SLOW
+from .reference import episode_rows
 
 
 STEP = {
@@ -44,31 +45,6 @@ def _version(step):
 # --- the NumPy model -------------------------------------------------------------------------
 
 
-def _episode_rows(flags, autoreset):
-    """Per step of one env's whole history: (episode, first, last, ended), as the buffer's
-    bookkeeping says it (episode -1 for an auto-reset step), from the flags alone."""
-    rows, episodes, k, pending = [], {}, -1, "begins"
-    for t, done in enumerate(flags):
-        if pending == "resets":
-            rows.append([-1, t, t, True])
-            pending = "begins"
-            continue
-        if pending == "begins":
-            k += 1
-            episodes[k] = [t, None]
-        rows.append([k, None, None, None])
-        if done:
-            episodes[k][1] = t
-            pending = "resets" if autoreset == "next-step" else "begins"
-        else:
-            pending = "continues"
-    for row in rows:
-        if row[0] >= 0:
-            first, last = episodes[row[0]]
-            row[1:] = [first, len(flags) - 1 if last is None else last, last is not None]
-    return rows
-
-
 class Model:
     """What a trajectory buffer of `max_length` holds after each env took the steps of
     `history[env]` (its done flags), and what it can draw."""
@@ -76,7 +52,7 @@ class Model:
     def __init__(self, history, max_length, autoreset):
         self.history = [list(map(bool, h)) for h in history]
         self.m = max_length
-        self.rows = [_episode_rows(h, autoreset) for h in self.history]
+        self.rows = [episode_rows(h, autoreset) for h in self.history]
         longest = max(1, *(len(h) for h in self.history))
         self.done = np.zeros((len(history), longest), bool)
         for e, h in enumerate(self.history):

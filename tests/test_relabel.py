@@ -17,6 +17,7 @@ from hypothesis import given, strategies as st
 
 from .helpers import SLOW
 from .hlo import aliased_parameters, copies
+from .reference import episode_rows
 
 
 STEP = {
@@ -31,31 +32,6 @@ ALPHA = 1e-6  # each statistical test's false-failure rate
 
 def reward_fn(achieved, goal):
     return -jnp.any(achieved != goal).astype(jnp.float32)
-
-
-def _model(dones, autoreset):
-    """Per step of one env's whole history: (episode, first, last, ended), as `EpisodeInfo`
-    says it, from the flags alone."""
-    rows, episodes, k, pending = [], {}, -1, "begins"
-    for t, done in enumerate(dones):
-        if pending == "resets":
-            rows.append([-1, t, t, True])
-            pending = "begins"
-            continue
-        if pending == "begins":
-            k += 1
-            episodes[k] = [t, None]
-        rows.append([k, None, None, None])
-        if done:
-            episodes[k][1] = t
-            pending = "resets" if autoreset == "next-step" else "begins"
-        else:
-            pending = "continues"
-    for row in rows:
-        if row[0] >= 0:
-            first, last = episodes[row[0]]
-            row[1:] = [first, len(dones) - 1 if last is None else last, last is not None]
-    return rows
 
 
 _extend = eqx.filter_jit(lambda buf, items, ids: buf.extend(items, ids))
@@ -95,7 +71,7 @@ def _fill(autoreset, num_envs, max_length, calls, rng, *, p_end=0.25, wrap=None,
 @SLOW
 @pytest.mark.parametrize("autoreset", ["same-step", "next-step"])
 @given(seed=st.integers(0, 2**32 - 1), max_length=st.sampled_from([1, 4]))
-def test_episode_bookkeeping_equals_the_model(autoreset, seed, max_length):
+def test_episode_bookkeeping_equals_theepisode_rows(autoreset, seed, max_length):
     rng = np.random.default_rng(seed)
     buf, history = _fill(autoreset, 3, max_length, 6, rng)
     for env, flags in enumerate(history):
@@ -108,7 +84,7 @@ def test_episode_bookkeeping_equals_the_model(autoreset, seed, max_length):
         envs = np.full(max_length, env, np.int32)
         info = _episodes_of(buf, jnp.asarray(envs), jnp.asarray(steps, jnp.int32))
         got = np.stack([np.asarray(x, np.int64) for x in jax.tree.leaves(info)], 1)
-        want = np.asarray([_model(flags, autoreset)[t] for t in steps], np.int64)
+        want = np.asarray([episode_rows(flags, autoreset)[t] for t in steps], np.int64)
         np.testing.assert_array_equal(got, want)
 
 
@@ -129,7 +105,7 @@ def test_episode_bookkeeping_of_adds_of_every_env_and_a_refused_add():
         info, result = cast(Any, buf.episodes_of(jnp.full(3, env), jnp.arange(1, 4)))
         assert result.kind == dx.RESULTS.successful
         got = np.stack([np.asarray(x, np.int64) for x in jax.tree.leaves(info)], 1)
-        want = np.asarray(_model(history, "next-step")[1:4], np.int64)
+        want = np.asarray(episode_rows(history, "next-step")[1:4], np.int64)
         np.testing.assert_array_equal(got, want)
 
 
@@ -225,7 +201,7 @@ def test_each_strategy_draws_goals_by_its_law(case):
         np.testing.assert_array_equal(np.asarray(out.goal_env)[ok], np.asarray(out.sample.env)[ok])
         np.testing.assert_array_equal(got[ok], want[ok])
     anchors, goals, relabelled = map(np.concatenate, (anchors, goals, relabelled))
-    models = [_model(flags, autoreset) for flags in history]
+    models = [episode_rows(flags, autoreset) for flags in history]
     counts = {}
     for (env, t), j, ok in zip(anchors, goals, relabelled):
         episode, first, last, ended = models[env][t]
@@ -273,7 +249,7 @@ def test_random_draws_every_stored_step_of_an_episode_uniformly(autoreset):
     cells = [
         (env, t)
         for env, flags in enumerate(history)
-        for t, row in enumerate(_model(flags, autoreset))
+        for t, row in enumerate(episode_rows(flags, autoreset))
         if t >= len(flags) - 12 and row[0] >= 0
     ]
     counts = dict.fromkeys(cells, 0)
