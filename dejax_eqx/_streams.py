@@ -667,8 +667,8 @@ def append_steps(
     count (the caller reports it)."""
     m = streams.max_length
     # A faulty recording call (`_faults.vetoing`): no env takes a step. A listed env's row
-    # becomes `num_envs` (dropped); without `env_ids` the slots are written back with what
-    # they hold, so that the write keeps its form (one row scatter per env, in place).
+    # becomes `num_envs`, and without `env_ids` every slot becomes `max_length`: either way
+    # out of range, so the scatter drops it and keeps its form (in place).
     vetoed = veto()
     if vetoed is not None and rows is not None:
         rows = jnp.where(vetoed, streams.num_envs, rows)
@@ -693,10 +693,11 @@ def append_steps(
     # own envs' steps with no communication.
     if rows is None:
         slots = ring_add(head[:, None], offsets[None, :], m)
-        if vetoed is not None:
-            every = jnp.arange(streams.num_envs, dtype=jnp.int32)[:, None]
-            items = jax.tree.map(lambda x, y: jnp.where(vetoed, x[every, slots], y), store, items)
-        data = jax.tree.map(lambda x, y: scatter_rows(x, slots, y), store, items)
+        if vetoed is None:
+            data = jax.tree.map(lambda x, y: scatter_rows(x, slots, y), store, items)
+        else:
+            slots = jnp.where(vetoed, m, slots)
+            data = jax.tree.map(lambda x, y: scatter_rows(x, slots, y, mode="drop"), store, items)
         added = jnp.full(streams.num_envs, True if vetoed is None else ~vetoed)
     else:
         cursors = jnp.take(head, rows, mode="fill", fill_value=0)

@@ -72,12 +72,15 @@ def scatter_rows(
     x: Shaped[Array, "rows m ..."],
     slots: Int[Array, "rows k"],
     values: Shaped[Array, "rows k ..."],
+    *,
+    mode: Mode = "promise_in_bounds",
 ) -> Shaped[Array, "rows m ..."]:
-    """Row `r` of `x` takes `values[r]` at its distinct `slots[r]` (in range): `jax.vmap` of
+    """Row `r` of `x` takes `values[r]` at its distinct `slots[r]`: `jax.vmap` of
     `row.at[slots].set(values)` over the rows, a scatter whose row axis is a batching
     dimension (sharded along it, every device writes its own rows), and whose `vmap`s merge
-    into that same dimension."""
-    return _write("set", "promise_in_bounds", True, True)(x, (slots,), values)
+    into that same dimension. The slots are in range, or with `mode="drop"` a slot of `m`
+    writes nothing (and may repeat)."""
+    return _write("set", mode, mode != "drop", True)(x, (slots,), values)
 
 
 def _apply(

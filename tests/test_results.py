@@ -13,6 +13,7 @@ import pytest
 
 from . import registry
 from .helpers import SLOW
+from .hlo import copies as hlo_copies
 
 
 _BUFFERS = [t for t in registry.BUFFER_TYPES if issubclass(t.cls, dx.AbstractBuffer)]
@@ -343,6 +344,22 @@ def test_a_fault_raises_or_is_recorded(case):
         again = call(new)
         again = _buffer_of(again)
         assert again is not None and int(again.result.code) == int(result.code)
+
+
+def test_a_vetoed_add_of_every_env_writes_nothing_in_place():
+    """An add without `env_ids` that would pass an env's step count past 2**31 - 1: recorded,
+    and dropped by its slots (each becomes `max_length`, out of range), in place."""
+    buf = dx.TrajectoryBuffer(STEP, 2, 4).add(_steps(2))
+    near = eqx.tree_at(lambda b: b.streams.step_count, buf, jnp.array([5, 2**31 - 1], jnp.int32))
+    add = jax.jit(lambda b: b.add(_steps(2, 9.0)), donate_argnums=0)
+    hlo = add.lower(near.with_throw(False)).compile().as_text()
+    assert hlo_copies(hlo, 4 * 2) == []  # no copy of the storage
+    before = _arrays(near)  # host copies: the call donates the arrays it is given
+    new = add(near.with_throw(False))
+    assert new.result is not None and new.result.kind == dx.RESULTS.step_count_overflow
+    assert all((a == b).all() for a, b in zip(_arrays(new.with_throw(True)), before))
+    with pytest.raises(eqx.EquinoxRuntimeError, match=re.escape("would pass 2**31 - 1 steps")):
+        new.check()
 
 
 def test_a_scan_keeps_the_first_fault():
