@@ -120,6 +120,15 @@ def uniform_below(
     return (((high % span) * multiplier + low % span) % span).astype(jnp.int32)
 
 
+def integers_below(key: PRNGKeyArray, batch_size: int, n: Int[Array, ""]) -> Int[Array, " batch"]:
+    """`batch_size` random integers in `[0, n)` (0 where `n` is 0), as `jax.random.randint(key,
+    (batch_size,), 0, n)` draws them (`uniform_below`), from one `jax.random.bits` call: one
+    PRNG kernel where `randint` has three (a split, then a call per word), each a loop that a
+    Python-called step on CPU runs op by op."""
+    bits = jax.random.bits(key, (2, batch_size), jnp.uint32)
+    return uniform_below(bits[0], bits[1], jnp.broadcast_to(n, (batch_size,)))
+
+
 def _progression(first, last, stride: int):
     """The number of `first, first + stride, ...` that are `<= last` (0 if `first > last`)."""
     return jnp.where(last >= first, (last - first) // stride + 1, 0)

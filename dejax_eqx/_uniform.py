@@ -13,6 +13,7 @@ from ._laws import AbstractEnumerableLaw, AbstractLaw, Candidates, Draw, locate
 from ._policy_age import AgedLaw, PolicyAge
 from ._priorities import check_beta
 from ._results import initial_result, reports, Result
+from ._sequences import integers_below
 from ._storage import (
     apply,
     check_batch,
@@ -139,8 +140,8 @@ class UniformLaw(AbstractEnumerableLaw):
 
     def draw(self, key: PRNGKeyArray, batch_size: int, summaries: PyTree[Array]) -> Draw:
         total = jnp.sum(summaries)
-        # At least 1: an empty union draws position 0, which the faults report.
-        position = jax.random.randint(key, (batch_size,), 0, jnp.maximum(total, 1), dtype=jnp.int32)
+        # An empty union draws position 0, which the faults report.
+        position = integers_below(key, batch_size, total)
         owner, position = locate(position, summaries)
         return Draw(owner, position)
 

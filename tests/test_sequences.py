@@ -289,3 +289,16 @@ def test_random_number_helpers():
     assert_tree_equal(unit_float(words), jax.random.uniform(key, (1000,)))
     top = unit_float(words.at[0].set(2**32 - 1))
     assert float(top[0]) == 1 - 2**-23
+
+
+def test_integers_below_reduces_one_call_s_two_words():
+    from dejax_eqx._sequences import integers_below, uniform_below
+
+    draw = jax.jit(integers_below, static_argnums=1)
+    for seed, n in [(0, 0), (1, 1), (2, 7), (3, 100_000), (4, 2**31 - 1)]:
+        key = jax.random.key(seed)
+        got = np.asarray(draw(key, 300, jnp.asarray(n, jnp.int32)))
+        high, low = jax.random.bits(key, (2, 300), jnp.uint32)
+        want = np.asarray(uniform_below(high, low, jnp.full(300, n, jnp.int32)))
+        assert got.dtype == np.int32 and got.tolist() == want.tolist(), n
+        assert ((got >= 0) & (got < max(n, 1))).all(), n
