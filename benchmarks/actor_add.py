@@ -83,7 +83,9 @@ def _add_fn(system: str, num_envs: int):
             return state, eqx.filter_jit(add, donate="all")
         return state, jax.jit(add, donate_argnums=0)
     if system == "dejax_eqx lock-step jax.jit":
-        state = dx.TrajectoryBuffer(_prototype(), num_envs=num_envs, max_length=MAX_LENGTH)
+        state = dx.TrajectoryBuffer(
+            _prototype(), num_envs=num_envs, max_length=MAX_LENGTH, throw=not results
+        )
         return state, jax.jit(lambda buf, s, i: buf.add(s), donate_argnums=0)
     if system == "dejax_eqx prioritised, jax.jit":
         state = h.prioritised_trajectory_buffer(
