@@ -353,6 +353,7 @@ def test_a_vetoed_add_of_every_env_writes_nothing_in_place():
     near = eqx.tree_at(lambda b: b.streams.step_count, buf, jnp.array([5, 2**31 - 1], jnp.int32))
     add = jax.jit(lambda b: b.add(_steps(2, 9.0)), donate_argnums=0)
     hlo = add.lower(near.with_throw(False)).compile().as_text()
+    assert hlo is not None
     assert hlo_copies(hlo, 4 * 2) == []  # no copy of the storage
     before = _arrays(near)  # host copies: the call donates the arrays it is given
     new = add(near.with_throw(False))
