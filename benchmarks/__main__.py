@@ -36,7 +36,7 @@ f32[128], "action": i32[], "reward": f32[], "done": bool[]}` unless a workload s
 | W10 | Python loop of 2,000 adds from NumPy: 8 of 16 envs, 64 of 64 (actor_add) | µs/add |
 | W11 | 16 envs' steps to disk, 1,024 at a time, read back: Dataset, NumPy, Vault | MB/s |
 | W12 | 2,000 donated jax.jit steps from Python, 4 buffers, module vs leaves (dispatch) | µs/step |
-| W13 | Stoix-shaped learner steps from Python: item, rainbow, r2d2 (stoix_steps) | ms/step |
+| W13 | Stoix-shaped learner steps from Python: item, rainbow, r2d2 (+ scanned epochs) | ms/step |
 | W14 | a tiny jitted step with 0, 1, 16 checks; a heavy one's return (check_cost) | µs/call |
 """
 
@@ -173,10 +173,11 @@ _W12 = (
 
 
 # W13: Stoix-shaped learner steps through flashbax's API, on flashbax and on the drop-in, with
-# the error checks as host callbacks (the default) and as NaNs.
+# the error checks as host callbacks (the default) and as NaNs; the epochs unrolled, and in a
+# `lax.scan` as Stoix runs them (" scanned").
 _W13 = tuple(
     f"{s}, {part}{e}"
-    for part in stoix_steps.PARTS
+    for part in (*stoix_steps.PARTS, *(f"{p} scanned" for p in stoix_steps.PARTS))
     for s, e in (
         ("flashbax", ""),
         ("dejax_eqx.compat.flashbax", ""),
@@ -199,6 +200,8 @@ _W14 = tuple(
 
 def _quick_w13(system: str) -> bool:
     module, _, rest = system.partition(", ")
+    if "scanned" in rest:  # one row for the scanned epochs: the most involved step
+        return rest == "r2d2 scanned, throw=False"
     return rest.startswith("item") or (module != "flashbax" and "EQX_ON_ERROR" not in rest)
 
 

@@ -14,6 +14,11 @@ differs, as in W9), the buffer full, the step donating its state:
     of `SEQUENCE` steps on `PERIOD`; each step adds `[NUM_ENVS, ROLLOUT]` steps and samples
     `EPOCHS` batches of `BATCH` windows, setting their priorities.
 
+A part's name ending in ` scanned` (`r2d2 scanned`) runs the epochs in a `lax.scan`, as
+Stoix's systems do (`_update_epoch` in `ff_dqn.py`, `ff_rainbow.py`, `rec_r2d2.py`); without
+it they are unrolled, one sample (and update) after the other in the step's program, as this
+workload first measured them.
+
 The value is milliseconds per step: the minimum over `repeats` rounds of `STEPS` calls each
 (the issue's protocol: a round's calls run back to back, as a training loop's do, so JAX's
 asynchronous dispatch overlaps a call's dispatch with the previous call's run where it can).
@@ -55,7 +60,22 @@ def _transitions(t, n: int) -> dict[str, jax.Array]:
     }
 
 
-def _item_like(fbx, prioritised: bool, options: dict):
+def _epochs(epoch, state, key, scan: bool):
+    """`EPOCHS` calls `state, total = epoch(state, k)`, one key each: a `lax.scan`, as Stoix's
+    `_update_epoch` runs, or unrolled (a Python loop) with `scan=False`. Returns `(state, the
+    sum of the totals)`."""
+    keys = jax.random.split(key, EPOCHS)
+    if scan:
+        state, totals = jax.lax.scan(epoch, state, keys)
+        return state, jnp.sum(totals)
+    total = jnp.zeros(())
+    for k in keys:
+        state, value = epoch(state, k)
+        total = total + value
+    return state, total
+
+
+def _item_like(fbx, prioritised: bool, options: dict, scan: bool):
     make = fbx.make_prioritised_item_buffer if prioritised else fbx.make_item_buffer
     options = {**options, **({"priority_exponent": 0.6} if prioritised else {})}
     buffer = make(
@@ -70,21 +90,21 @@ def _item_like(fbx, prioritised: bool, options: dict):
     for i in range(ITEM_SIZE // 1000):
         state = fill(state, i * 1000)
 
+    def epoch(state, k):
+        sample = buffer.sample(state, k)
+        if prioritised:
+            new = jnp.abs(jnp.sin(sample.experience["reward"])) + 1e-3
+            state = buffer.set_priorities(state, sample.indices, new)
+        return state, h.consume(sample.experience)
+
     def step(state, key, t):
         state = buffer.add(state, _transitions(t, NUM_ENVS * ROLLOUT))
-        total = jnp.zeros(())
-        for k in jax.random.split(key, EPOCHS):
-            sample = buffer.sample(state, k)
-            total = total + h.consume(sample.experience)
-            if prioritised:
-                new = jnp.abs(jnp.sin(sample.experience["reward"])) + 1e-3
-                state = buffer.set_priorities(state, sample.indices, new)
-        return state, total
+        return _epochs(epoch, state, key, scan)
 
     return state, step
 
 
-def _r2d2(fbx, options: dict):
+def _r2d2(fbx, options: dict, scan: bool):
     buffer = fbx.make_prioritised_trajectory_buffer(
         add_batch_size=NUM_ENVS,
         sample_batch_size=BATCH,
@@ -105,22 +125,21 @@ def _r2d2(fbx, options: dict):
     for i in range(ROW_LENGTH // ROLLOUT):
         state = fill(state, i * ROLLOUT)
 
+    def epoch(state, k):
+        sample = buffer.sample(state, k)
+        new = jnp.abs(jnp.sin(jnp.mean(sample.experience["reward"], axis=1))) + 1e-3
+        return buffer.set_priorities(state, sample.indices, new), h.consume(sample.experience)
+
     def step(state, key, t):
         state = buffer.add(state, rollout(t))
-        total = jnp.zeros(())
-        for k in jax.random.split(key, EPOCHS):
-            sample = buffer.sample(state, k)
-            total = total + h.consume(sample.experience)
-            new = jnp.abs(jnp.sin(jnp.mean(sample.experience["reward"], axis=1))) + 1e-3
-            state = buffer.set_priorities(state, sample.indices, new)
-        return state, total
+        return _epochs(epoch, state, key, scan)
 
     return state, step
 
 
 PARTS = {
-    "item": lambda fbx, options: _item_like(fbx, False, options),
-    "rainbow": lambda fbx, options: _item_like(fbx, True, options),
+    "item": lambda fbx, options, scan: _item_like(fbx, False, options, scan),
+    "rainbow": lambda fbx, options, scan: _item_like(fbx, True, options, scan),
     "r2d2": _r2d2,
 }
 
@@ -130,10 +149,11 @@ def w13(system: str, size: int, steps: int, repeats: int) -> dict:
     calls per round."""
     system, results = h.results_mode(system)
     name, _, part = system.partition(", ")
+    part, scanned = part.removesuffix(" scanned"), part.endswith(" scanned")
     if name not in MODULES or part not in PARTS or (results and name == "flashbax"):
         raise ValueError(system)
     options = {"throw": False} if results else {}
-    state, step = PARTS[part](importlib.import_module(MODULES[name]), options)
+    state, step = PARTS[part](importlib.import_module(MODULES[name]), options, scanned)
     call = jax.jit(step, donate_argnums=0)
     keys = list(jax.random.split(jax.random.key(0), steps))
     for k in keys[:2]:  # compile, and settle the state's types (see `h.time_steps`)
