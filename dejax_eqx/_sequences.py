@@ -300,6 +300,38 @@ def starts_from_bits(
     return Starts(env, back, jnp.minimum(back, size))
 
 
+def strict_starts_from_bits(
+    bits: UInt32[Array, "2 batch"],
+    lengths: Int[Array, " num_envs"],
+    phase: Int[Array, " num_envs"],
+    law: Law,
+) -> Starts:
+    """Draw one start per column of `bits` uniformly among the starts of a strict `law` (every
+    one weighs 1), in exact integer arithmetic: the two words of a column give an integer in
+    `[0, total)` (`uniform_below`), which names the start, env by env in order.
+
+    O(num_envs) set-up, then O(log num_envs) per row. The number of starts of all envs
+    together must be below `2**31` (`draw_starts` takes this path only when it is).
+
+    **Arguments:** `bits`, uniformly random uint32 words of shape `(2, batch_size)`; the others
+    as in `env_log_weights` (`law.strict`).
+
+    **Returns:** a `Starts`, as `starts_from_bits`, from the same law.
+    """
+    assert law.strict
+    size, period = law.size, law.period
+    full_back = size + (phase - size) % period  # the nearest start with a whole window
+    full = _progression(full_back, lengths, period)
+    ends = jnp.cumsum(full)  # env e holds the integers [ends[e] - full[e], ends[e])
+    total = ends[-1]
+    pick = uniform_below(bits[0], bits[1], jnp.broadcast_to(total, bits.shape[1:]))
+    env = jnp.searchsorted(ends, pick, side="right", method="scan_unrolled").astype(jnp.int32)
+    env = jnp.minimum(env, lengths.shape[0] - 1)  # only when no env has a start
+    back = full_back[env] + (pick - (ends[env] - full[env])) * period
+    back = jnp.where(total > 0, back, 0)
+    return Starts(env, back, jnp.minimum(back, size))
+
+
 def draw_starts(
     key: PRNGKeyArray,
     lengths: Int[Array, " num_envs"],
@@ -307,8 +339,13 @@ def draw_starts(
     batch_size: int,
     law: Law,
     power: Float32[Array, ""],
+    *,
+    max_length: int | None = None,
 ) -> Starts:
-    """`starts_from_bits` on `(WORDS_PER_ROW, batch_size)` words from `key`.
+    """`batch_size` starts drawn from `key` by `law`: `starts_from_bits` on `(WORDS_PER_ROW,
+    batch_size)` words, or, for a strict law where `max_length` (static: no env holds more
+    steps) bounds the number of starts below `2**31`, `strict_starts_from_bits` on two words a
+    row, the same law drawn exactly and at about half the cost (a quarter under `vmap`).
 
     All the randomness comes from one `jax.random.bits` call, one PRNG kernel: on CPU every
     further call would cost about as much as the rest of a small draw.
@@ -318,9 +355,13 @@ def draw_starts(
     - `key`: a JAX PRNG key.
     - `batch_size`: the number of rows, a positive Python int (static).
     - `lengths`, `phase`, `law`, `power`: as in `env_log_weights`.
+    - `max_length`: the most steps an env holds (static), or `None` if unknown.
 
     **Returns:** a `Starts`, as `starts_from_bits`.
     """
+    if law.strict and max_length is not None and lengths.shape[0] * max_length < 2**31:
+        bits = jax.random.bits(key, (2, batch_size), jnp.uint32)
+        return strict_starts_from_bits(bits, lengths, phase, law)
     bits = jax.random.bits(key, (WORDS_PER_ROW, batch_size), jnp.uint32)
     return starts_from_bits(bits, lengths, phase, law, power)
 

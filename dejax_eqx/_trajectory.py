@@ -460,7 +460,9 @@ def _window_parts(
             "has none."
         )
     power, faults = check_power(1.0 if distribution_power is None else distribution_power, call)
-    laws: list[AbstractEnumerableLaw] = [WindowLaw(window, power, s) for s in sources]
+    laws: list[AbstractEnumerableLaw] = [
+        WindowLaw(window, power, s, buffer.max_length) for s in sources
+    ]
     if window.starts == "episode":
         require_episodes(buffer.streams, "`Window(starts='episode')`", call)
         laws = [EpisodeStartLaw(inner=law, stratified=False) for law in laws]
@@ -505,7 +507,7 @@ def _transition_parts(
     if discount is None:
         raise TypeError(f"`{call}`: an `NStep` needs `discount=`, the per-step discount.")
     gamma, faults = check_discount(discount, call)
-    return [TransitionsLaw(nstep, gamma, s) for s in sources], faults
+    return [TransitionsLaw(nstep, gamma, s, buffer.max_length) for s in sources], faults
 
 
 # What a trajectory buffer draws, by the type of `what` (each type its law).
@@ -565,6 +567,7 @@ class WindowLaw(AbstractEnumerableLaw):
     window: Window
     power: Float[Array, ""]
     source: Source = eqx.field(static=True)
+    max_length: int = eqx.field(static=True)  # the buffer's: bounds the number of starts
     noun: ClassVar[str] = "window start"  # what one candidate is, in policy age's messages
 
     def summary(self, buffer: TrajectoryBuffer) -> PyTree[Array]:
@@ -575,7 +578,15 @@ class WindowLaw(AbstractEnumerableLaw):
         k = lengths.shape[1]
         lengths, counts = lengths.reshape(-1), counts.reshape(-1)
         starts = phase(counts, self.window.period)
-        env, back, _ = draw_starts(key, lengths, starts, batch_size, self.window.law, self.power)
+        env, back, _ = draw_starts(
+            key,
+            lengths,
+            starts,
+            batch_size,
+            self.window.law,
+            self.power,
+            max_length=self.max_length,
+        )
         owner, env = _env_of(env, k, single(summaries))
         return Draw(owner, (env, back))
 
@@ -631,6 +642,7 @@ class TransitionsLaw(AbstractEnumerableLaw):
     nstep: NStep
     gamma: Float[Array, ""]
     source: Source = eqx.field(static=True)
+    max_length: int = eqx.field(static=True)  # the buffer's: bounds the number of starts
     noun: ClassVar[str] = "transition start"  # what one candidate is, in policy age's messages
 
     @property
@@ -645,7 +657,13 @@ class TransitionsLaw(AbstractEnumerableLaw):
         lengths = summaries.reshape(-1)
         power = jnp.zeros((), jnp.float32)
         env, back, _ = draw_starts(
-            key, lengths, jnp.zeros_like(lengths), batch_size, self._law, power
+            key,
+            lengths,
+            jnp.zeros_like(lengths),
+            batch_size,
+            self._law,
+            power,
+            max_length=self.max_length,
         )
         owner, env = _env_of(env, k, single(summaries))
         return Draw(owner, (env, back))

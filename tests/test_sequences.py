@@ -255,6 +255,52 @@ def test_no_admissible_start_gives_in_bounds_nothing(lengths, law):
     assert (env == NUM_ENVS - 1).all() and (back == 0).all() and (remaining == 0).all()
 
 
+STRICT_LAWS = [law for law in LAWS if law.strict]
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4))
+def _draw_exactly(key, lengths, phase, law, max_length):
+    from dejax_eqx._sequences import draw_starts
+
+    power = jnp.zeros((), jnp.float32)  # unused by a strict law
+    return draw_starts(key, lengths, phase, DRAWS, law, power, max_length=max_length)
+
+
+@given(
+    lengths=any_lengths_st,
+    law=st.sampled_from(STRICT_LAWS),
+    phase=st.lists(st.integers(0, 3), min_size=NUM_ENVS, max_size=NUM_ENVS),
+    seed=st.integers(0, 2**16),
+)
+def test_strict_draws_in_integers_match_enumeration(lengths, law, phase, seed):
+    # A strict law with a known max_length: `strict_starts_from_bits`, on two words a row.
+    phase = [p % law.period for p in phase]
+    i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
+    starts = enumerate_starts(lengths, phase, law, 0.0)
+    drawn = _draw_exactly(jax.random.key(seed), i32(lengths), i32(phase), law, MAX_LENGTH)
+    env, back, remaining = (np.asarray(x) for x in drawn)
+    if not starts:  # nothing to draw: in bounds, and nothing
+        assert (env == NUM_ENVS - 1).all() and (back == 0).all() and (remaining == 0).all()
+        return
+    assert_in_support(env, back, remaining, starts)
+    # Every start alike. At most 5 envs of 12 steps: at most 45 starts, each expecting more
+    # than 1,400 of the 2**16 draws.
+    counts, probabilities = frequencies(env, back, starts)
+    assert_frequencies(counts, probabilities, alpha=_alpha())
+
+
+def test_strict_draws_in_integers_are_taken_only_when_the_starts_fit_int32():
+    from dejax_eqx._sequences import draw_starts
+
+    lengths, phase = jnp.asarray([3, 12, 0, 7, 9], jnp.int32), jnp.zeros(5, jnp.int32)
+    key, power, law = jax.random.key(5), jnp.zeros((), jnp.float32), LAWS[5]
+    floats = draw_starts(key, lengths, phase, 64, law, power)
+    exact = draw_starts(key, lengths, phase, 64, law, power, max_length=MAX_LENGTH)
+    too_many = draw_starts(key, lengths, phase, 64, law, power, max_length=2**31 // 5 + 1)
+    assert_tree_equal(tuple(floats), tuple(too_many))  # 5 * max_length reaches 2**31
+    assert not all(np.array_equal(a, b) for a, b in zip(floats, exact))
+
+
 def test_draw_starts_is_starts_from_bits_on_the_key_s_words():
     # So that the tests above, which call `starts_from_bits` on those words, cover `draw_starts`.
     from dejax_eqx._sequences import draw_starts

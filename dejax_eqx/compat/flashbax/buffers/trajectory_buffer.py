@@ -131,7 +131,15 @@ def sample(
     lengths = module.lengths()
     # Starts `oldest + k * period`: aligned to the oldest stored step, `lengths` steps back.
     aligned = phase(lengths, period)
-    starts = draw_starts(rng_key, lengths, aligned, batch_size, window.law, jnp.float32(1))
+    starts = draw_starts(
+        rng_key,
+        lengths,
+        aligned,
+        batch_size,
+        window.law,
+        jnp.float32(1),
+        max_length=module.max_length,
+    )
     items = read_windows(module.streams, starts.env, starts.back, window).items
     fault = (
         lengths[0] < sequence_length,
