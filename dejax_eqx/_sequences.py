@@ -134,6 +134,15 @@ def _progression(first, last, stride: int):
     return jnp.where(last >= first, (last - first) // stride + 1, 0)
 
 
+def _full_starts(
+    lengths: Int[Array, " num_envs"], phase: Int[Array, " num_envs"], law: Law
+) -> tuple[Int[Array, " num_envs"], Int[Array, " num_envs"]]:
+    """Per env, the back distance of its nearest start with a whole window (`b >= W` on the
+    period) and the number of such starts stored."""
+    full_back = law.size + (phase - law.size) % law.period
+    return full_back, _progression(full_back, lengths, law.period)
+
+
 def _table(
     lengths: Int[Array, " num_envs"],
     phase: Int[Array, " num_envs"],
@@ -151,8 +160,7 @@ def _table(
     size, period = law.size, law.period
     lo = size if law.strict else law.min_real
     log_w = power * jnp.log(jnp.arange(1, size + 1, dtype=jnp.float32))  # log w(1..W)
-    full_back = size + (phase - size) % period
-    full = _progression(full_back, lengths, period)
+    full_back, full = _full_starts(lengths, phase, law)
     tail_first = lo + (phase - lo) % period
     tail = _progression(tail_first, jnp.minimum(lengths, size - 1), period)
     last = jnp.where(tail > 0, tail_first + (tail - 1) * period, 0)
@@ -320,8 +328,7 @@ def strict_starts_from_bits(
     """
     assert law.strict
     size, period = law.size, law.period
-    full_back = size + (phase - size) % period  # the nearest start with a whole window
-    full = _progression(full_back, lengths, period)
+    full_back, full = _full_starts(lengths, phase, law)
     ends = jnp.cumsum(full)  # env e holds the integers [ends[e] - full[e], ends[e])
     total = ends[-1]
     pick = uniform_below(bits[0], bits[1], jnp.broadcast_to(total, bits.shape[1:]))
