@@ -1,0 +1,125 @@
+"""What sets a small step's cost on a CPU of few cores, apart from the buffer's own work.
+
+Issue 38's targets for Python-called and vmapped steps are ratios of steps of a few tens of
+microseconds. Two costs that no buffer code controls are of that size; this module measures
+both, in one process, repeats interleaved (`_harness.time_interleaved`):
+
+- **XLA's parallel-task line.** XLA's CPU runtime splits a kernel whose estimated cost passes
+  a line into tasks for its thread pool. On a machine of two cores, one of them busy, the
+  hand-off costs more than the kernel. The rows `bits <n>` time a `jax.random.bits` draw of
+  `n` words (one threefry kernel), 200 draws in a jitted `lax.scan`, in microseconds per draw:
+  the time jumps between two sizes where the kernel is split. A vmapped step draws the words
+  of every lane in one kernel, so it passes the line at a third of one buffer's draw
+  (`benchmarks/vmapped.py`). Run under `taskset -c 0` (one core: XLA makes no tasks) for the
+  same rows without the line.
+- **Flattening a module in Python.** A jitted call flattens its arguments and builds its
+  outputs. A tuple, or a dataclass registered with `jax.tree_util.register_dataclass`, is
+  flattened in C++; an `equinox.Module` by equinox's generated Python functions, one call per
+  module node. The rows `flatten <kind>` are `jax.tree.flatten` plus `jax.tree.unflatten`
+  (`timeit`, microseconds per call) of one int32 scalar held by each kind of node, and of
+  `UniformReplay` and `TrajectoryBuffer` (`throw=False`; 3 module nodes each), against their
+  leaves as a tuple.
+
+Run from the repository root (not a workload of `python -m benchmarks`):
+
+    python -m benchmarks.cpu_lines
+    taskset -c 0 python -m benchmarks.cpu_lines    # one core
+    python -m benchmarks.cpu_lines --quick         # a smoke run
+"""
+
+import argparse
+import dataclasses
+import statistics
+import timeit
+
+import dejax_eqx as dx
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from . import _harness as h
+
+
+WORDS = (256, 512, 1024, 1280, 1536, 2048)
+
+
+class _Module(eqx.Module):
+    code: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class _Dataclass:
+    code: jax.Array
+
+
+jax.tree_util.register_dataclass(_Dataclass, data_fields=["code"], meta_fields=[])
+
+
+def _bits(words: int, steps: int):
+    """`(call, state)` for `h.time_interleaved`: `steps` draws of `words` random words."""
+
+    @jax.jit
+    def run(total, key):
+        def body(total, k):
+            return total + jnp.sum(jax.random.bits(k, (words,), jnp.uint32) >> 16), None
+
+        return jax.lax.scan(body, total, jax.random.split(key, steps))[0]
+
+    return run, jnp.zeros((), jnp.uint32)
+
+
+def bits_rows(steps: int, repeats: int) -> dict[str, float]:
+    runs = {f"bits {n}": _bits(n, steps) for n in WORDS}
+    seconds = h.time_interleaved(runs, repeats)
+    return {row: statistics.median(values) / steps * 1e6 for row, values in seconds.items()}
+
+
+def _flatten_us(tree, number: int) -> float:
+    leaves, treedef = jax.tree.flatten(tree)
+    flatten = min(timeit.repeat(lambda: jax.tree.flatten(tree), number=number, repeat=5))
+    build = min(timeit.repeat(lambda: treedef.unflatten(leaves), number=number, repeat=5))
+    return (flatten + build) / number * 1e6
+
+
+def flatten_rows(number: int) -> dict[str, float]:
+    code = jnp.zeros((), jnp.int32)
+    item = {"obs": jnp.zeros(4), "reward": jnp.zeros(()), "done": jnp.zeros((), jnp.bool_)}
+    trees = {
+        "tuple": (code,),
+        "register_dataclass": _Dataclass(code),
+        "eqx.Module": _Module(code),
+        "UniformReplay": dx.UniformReplay(item, 10_000, throw=False),
+        "UniformReplay's leaves": None,
+        "TrajectoryBuffer": dx.TrajectoryBuffer(item, 64, 1_000, throw=False),
+        "TrajectoryBuffer's leaves": None,
+    }
+    out = {}
+    for name, tree in trees.items():
+        if tree is None:  # the leaves of the buffer before, as a tuple
+            tree = tuple(jax.tree.leaves(trees[name.removesuffix("'s leaves")]))
+        out[f"flatten {name}"] = _flatten_us(tree, number)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a smoke run")
+    args = parser.parse_args(argv)
+    steps, repeats, number = (5, 1, 100) if args.quick else (200, 9, 20_000)
+    machine = h.machine()
+    print(
+        f"{machine['cpu']}, {machine['cores_usable']} cores usable, jax {machine['jax']}, "
+        f"equinox {machine['equinox']}, load {machine['load_before']}",
+        flush=True,
+    )
+    rows = bits_rows(steps, repeats) | flatten_rows(number)
+    print(f"load after: {h.load_average()}")
+    print()
+    print("| row | µs |")
+    print("|---|---:|")
+    for row, value in rows.items():
+        print(f"| {row} | {value:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
