@@ -18,7 +18,11 @@ both, in one process, repeats interleaved (`_harness.time_interleaved`):
   module node. The rows `flatten <kind>` are `jax.tree.flatten` plus `jax.tree.unflatten`
   (`timeit`, microseconds per call) of one int32 scalar held by each kind of node, and of
   `UniformReplay` and `TrajectoryBuffer` (`throw=False`; 3 module nodes each), against their
-  leaves as a tuple.
+  leaves as a tuple. The rows `call <kind>` time a whole jitted call, donated, that adds one to
+  each of three int32 scalars, held as a tuple or in the shape of a `throw=False` buffer: a
+  module holding a module of two (its store) and a result, which is a module, a registered
+  dataclass, or a bare array (microseconds per call, calls in a Python loop, the kinds
+  interleaved over the repeats).
 
 Run from the repository root (not a workload of `python -m benchmarks`):
 
@@ -30,7 +34,9 @@ Run from the repository root (not a workload of `python -m benchmarks`):
 import argparse
 import dataclasses
 import statistics
+import time
 import timeit
+from typing import Any
 
 import dejax_eqx as dx
 import equinox as eqx
@@ -53,6 +59,17 @@ class _Dataclass:
 
 
 jax.tree_util.register_dataclass(_Dataclass, data_fields=["code"], meta_fields=[])
+
+
+class _Store(eqx.Module):
+    head: jax.Array
+    count: jax.Array
+    size: int = eqx.field(static=True)
+
+
+class _Buffer(eqx.Module):
+    store: _Store
+    result: Any
 
 
 def _bits(words: int, steps: int):
@@ -101,6 +118,31 @@ def flatten_rows(number: int) -> dict[str, float]:
     return out
 
 
+def call_rows(calls: int, repeats: int) -> dict[str, float]:
+    def zero():
+        return jnp.zeros((), jnp.int32)
+
+    make = {
+        "tuple": lambda: (zero(), zero(), zero()),
+        "3 module nodes": lambda: _Buffer(_Store(zero(), zero(), 8), _Module(zero())),
+        "2 module nodes and a register_dataclass": lambda: _Buffer(
+            _Store(zero(), zero(), 8), _Dataclass(zero())
+        ),
+        "2 module nodes and an array": lambda: _Buffer(_Store(zero(), zero(), 8), zero()),
+    }
+    step = jax.jit(lambda tree: jax.tree.map(lambda x: x + 1, tree), donate_argnums=0)
+    states = {kind: step(m()) for kind, m in make.items()}  # compiled before timing
+    times: dict[str, list[float]] = {kind: [] for kind in make}
+    for _ in range(repeats):
+        for kind in make:
+            state, start = states[kind], time.perf_counter()
+            for _ in range(calls):
+                state = step(state)
+            states[kind] = jax.block_until_ready(state)
+            times[kind].append((time.perf_counter() - start) / calls * 1e6)
+    return {f"call {kind}": statistics.median(values) for kind, values in times.items()}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run")
@@ -112,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
         f"equinox {machine['equinox']}, load {machine['load_before']}",
         flush=True,
     )
-    rows = bits_rows(steps, repeats) | flatten_rows(number)
+    rows = bits_rows(steps, repeats) | flatten_rows(number) | call_rows(number // 10, repeats)
     print(f"load after: {h.load_average()}")
     print()
     print("| row | µs |")
