@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
+import timeit
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -178,6 +179,23 @@ def time_interleaved(
             states[name] = jax.block_until_ready(step(states[name], jax.random.key(2 + r)))
             seconds[name].append(time.perf_counter() - start)
     return seconds
+
+
+def flatten_times(tree, repeats: int, number: int | None = None) -> dict[str, list[float]]:
+    """Microseconds per `jax.tree.flatten(tree)` and per `jax.tree.unflatten` of its leaves,
+    one value per repeat of `number` calls each (`timeit`; `None`: as many calls as fill
+    0.2 s, `timeit.Timer.autorange`): `{"flatten": [...], "unflatten": [...]}`. Python-level
+    pytree costs, which every jitted call pays for its arguments and its outputs."""
+    leaves, treedef = jax.tree.flatten(tree)
+    times = {}
+    for name, call in [
+        ("flatten", lambda: jax.tree.flatten(tree)),
+        ("unflatten", lambda: jax.tree.unflatten(treedef, leaves)),
+    ]:
+        timer = timeit.Timer(call)
+        calls = timer.autorange()[0] if number is None else number
+        times[name] = [1e6 * t / calls for t in timer.repeat(repeats, calls)]
+    return times
 
 
 def time_reads(read: Callable[[Any, Any], Any], state, repeats: int) -> list[float]:

@@ -49,7 +49,6 @@ Systems (the buffer follows the `, `):
 """
 
 import statistics
-import timeit
 
 import dejax_eqx as dx
 import jax
@@ -209,21 +208,13 @@ def _flatten(system: str, kind: str, size: int, repeats: int) -> dict:
             state = tuple(jax.tree.leaves(state))
     else:
         raise ValueError(system)
-    leaves, treedef = jax.tree.flatten(state)
-    times = {}
-    for name, call in [
-        ("flatten", lambda: jax.tree.flatten(state)),
-        ("unflatten", lambda: jax.tree.unflatten(treedef, leaves)),
-    ]:
-        timer = timeit.Timer(call)
-        number, _ = timer.autorange()  # calls per repeat: at least 0.2 s of them
-        times[name] = [1e6 * t / number for t in timer.repeat(max(repeats, 3), number)]
+    times = h.flatten_times(state, max(repeats, 3))
     return {
         "values": [f + u for f, u in zip(times["flatten"], times["unflatten"])],
         "unit": "us/call",
         "flatten_us": statistics.median(times["flatten"]),
         "unflatten_us": statistics.median(times["unflatten"]),
-        "leaves": len(leaves),
+        "leaves": len(jax.tree.leaves(state)),
     }
 
 
